@@ -1,0 +1,134 @@
+"""The user's surface: `jprefix.generate(params, prompts, prefix_len)` and `LLM`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jprefix.async_engine import AsyncDriver
+from jprefix.engine import EngineArgs, LLMEngine
+from jprefix.outputs import RequestOutput
+from jprefix.sampling_params import SamplingParams
+from jprefix.validation import as_prompt_list, broadcast
+from models.loader import LoadedModel, load
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    """An offline and async LLM with prefix caching, vLLM-style.
+
+    >>> llm = LLM(model="smollm2-135m")
+    >>> outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32),
+    ...                     prefix_pos=[16, 16])
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel = "smollm2-135m",
+        tensor_parallel_size: int = 1,
+        dtype: str = "bfloat16",
+        load_format: str = "auto",
+        **engine_kwargs: Any,
+    ):
+        unknown = set(engine_kwargs) - _ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown engine arguments {sorted(unknown)}")
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size {tensor_parallel_size} is not supported yet: use 1"
+            )
+        loaded = model if isinstance(model, LoadedModel) else load(model, dtype, load_format)
+        self.engine = LLMEngine(loaded, EngineArgs(**engine_kwargs))
+        self._driver = AsyncDriver(self.engine)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def prefix_pool(self):
+        return self.engine.scheduler.prefix_pool
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prefix_pos: int | list[int | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for a batch of prompts; outputs come back in prompt order.
+
+        Every prompt is validated before any is scheduled, so one bad prompt raises
+        ValueError and leaves the engine untouched.
+        """
+        prompts = as_prompt_list(prompts)
+        params = broadcast(sampling_params, len(prompts), "sampling_params")
+        prefixes = broadcast(prefix_pos, len(prompts), "prefix_pos")
+        seqs = [
+            self.engine.make_sequence(p, sp, pl)
+            for p, sp, pl in zip(prompts, params, prefixes, strict=True)
+        ]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        return self._run_to_completion([s.request_id for s in seqs], use_tqdm)
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted, done = set(request_ids), {}
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Processed prompts") as bar:
+            while len(done) < len(wanted):
+                for out in self.engine.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[r] for r in request_ids]
+
+    async def generate_async(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        prefix_pos: int | None = None,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """Generates for one prompt while other requests run; cancel to abort it."""
+        seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id)
+        return await self._driver.submit(seq)
+
+    def warmup(self, prefixes: list[Any], pin: bool = False) -> list[Any]:
+        """Computes each prefix once so later requests hit the cache; returns the Prefix
+        objects (their `.hash` is what `prefix_pool.delete_prefix` takes)."""
+        prefixes = as_prompt_list(prefixes)
+        warm = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        outs = self.generate(prefixes, warm, prefix_pos=None, use_tqdm=False)
+        return [
+            self.prefix_pool.add_or_get_prefix(out.prompt_token_ids, len(out.prompt_token_ids),
+                                               pin=pin)
+            for out in outs
+        ]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every unreferenced cached block; False while blocks are in use."""
+        return self.prefix_pool.reset()
+
+
+def generate(
+    params: LoadedModel | str,
+    prompts: Any,
+    prefix_len: int | list[int | None] | None = None,
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    **engine_kwargs: Any,
+) -> list[RequestOutput]:
+    """Functional form: `generate(jprefix.load("smollm2-135m"), prompts, prefix_len)`.
+
+    `prefix_len` is one int for all prompts, one per prompt, or None (automatic mode: every
+    full prompt block is shareable).
+    """
+    use_tqdm = engine_kwargs.pop("use_tqdm", False)
+    llm = LLM(params, **engine_kwargs)
+    return llm.generate(prompts, sampling_params, prefix_pos=prefix_len, use_tqdm=use_tqdm)

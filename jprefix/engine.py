@@ -1,0 +1,222 @@
+"""LLMEngine: schedule -> run -> postprocess, steppable from any loop or thread.
+
+Requests are validated and tokenized in `add_request` (errors raise before anything is
+scheduled) and queued; `step()` drains the queue into the scheduler, so another thread or
+an event loop may add and abort requests between steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jprefix.batch import BucketConfig
+from jprefix.block_manager import BlockManager
+from jprefix.config import SchedulerConfig
+from jprefix.outputs import RequestOutput
+from jprefix.prefix_cache import PrefixPool
+from jprefix.runner import ModelRunner, auto_num_blocks
+from jprefix.sampling_params import SamplingParams
+from jprefix.scheduler import Scheduler
+from jprefix.sequence import Sequence
+from jprefix.validation import check_context, check_prefix_len, check_token_ids, is_token_list
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Engine knobs, named as vLLM names them."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    attention_backend: str | None = None  # "pallas" | "xla" | "pallas-interpret"
+    seed: int = 0
+    cpu_max_kv_blocks: int = 4096  # cap when device memory cannot be measured
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"
+            )
+
+
+class LLMEngine:
+    """Owns the scheduler (host) and the model runner (device)."""
+
+    def __init__(self, model: Any, args: EngineArgs | None = None):
+        self.model, self.args = model, args or EngineArgs()
+        cfg = model.config
+        self.max_model_len = min(self.args.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        kv_dtype = model.params.embed.dtype
+        num_blocks = self.args.num_kv_blocks or auto_num_blocks(
+            cfg, self.args.block_size, kv_dtype, self.args.gpu_memory_utilization,
+            self.args.cpu_max_kv_blocks,
+        )
+        self.runner = ModelRunner(
+            model.params, cfg, num_blocks, self.args.block_size, kv_dtype,
+            backend=self.args.attention_backend,
+            buckets=BucketConfig(min_seqs=8),
+        )
+        self.scheduler = self._make_scheduler(num_blocks)
+        self._pending: collections.deque = collections.deque()
+        self._aborts: collections.deque = collections.deque()
+        self._live: dict[str, Sequence] = {}  # requests in the scheduler, by id
+        self._step_lock = threading.Lock()
+        self._rng = np.random.default_rng(self.args.seed)
+        self._counter = 0
+
+    def _make_scheduler(self, num_blocks: int) -> Scheduler:
+        cfg = SchedulerConfig(
+            max_num_seqs=self.args.max_num_seqs,
+            max_num_batched_tokens=self.args.max_num_batched_tokens,
+            enable_prefix_caching=self.args.enable_prefix_caching,
+            enable_chunked_prefill=self.args.enable_chunked_prefill,
+            policy=self.args.policy,
+            eos_token_ids=frozenset(self.model.config.eos_token_ids),
+            max_model_len=self.max_model_len,
+        )
+        blocks = BlockManager(num_blocks, self.args.block_size)
+        return Scheduler(cfg, blocks, PrefixPool(blocks))
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        if is_token_list(prompt):
+            return check_token_ids(prompt, self.model.config.vocab_size)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt {prompt!r} must be a string or a list of token ids")
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model.name!r} has no tokenizer: pass token ids")
+        return self.tokenizer(prompt, add_special_tokens=True).input_ids
+
+    def make_sequence(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        prefix_len: int | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        """Validates one request and builds its Sequence (nothing is scheduled yet)."""
+        sp = sampling_params or SamplingParams()
+        sp.validate()
+        ids = self.tokenize(prompt)
+        check_context(len(ids), sp.max_tokens, self.max_model_len)
+        prefix_len = check_prefix_len(prefix_len, len(ids))
+        if request_id is None:
+            request_id, self._counter = str(self._counter), self._counter + 1
+        seq = Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt)
+        seq.prompt = prompt if isinstance(prompt, str) else None
+        seq.seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queues a validated sequence; thread-safe, takes effect at the next step."""
+        self._pending.append(seq)
+
+    def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
+                    prefix_len: int | None = None, cache_salt: str | None = None) -> str:
+        seq = self.make_sequence(prompt, sampling_params, prefix_len, request_id, cache_salt)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Aborts a request at the next step; its blocks are released."""
+        self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished (or were aborted) in it."""
+        with self._step_lock:
+            aborted = self._drain_queues()
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return self._collect(aborted)
+            tokens = self.runner.execute(out.scheduled)
+            sampled = {sc.seq.request_id: int(t) for sc, t in zip(out.scheduled, tokens, strict=True)
+                       if sc.sample}
+            now = time.monotonic()
+            for sc in out.scheduled:
+                if sc.sample and getattr(sc.seq, "first_token_time", None) is None:
+                    sc.seq.first_token_time = now
+            finished = aborted + self.scheduler.update(out, sampled)
+            finished += self._check_stop_strings(out.scheduled, sampled)
+            return self._collect(finished)
+
+    def _drain_queues(self) -> list[Sequence]:
+        """Moves queued requests into the scheduler; returns the sequences aborted."""
+        while self._pending:
+            seq = self._pending.popleft()
+            self._live[seq.request_id] = seq
+            self.scheduler.add(seq)
+        aborted = []
+        while self._aborts:
+            seq = self._live.get(self._aborts.popleft())
+            if seq is not None and self.scheduler.abort(seq.request_id):
+                aborted.append(seq)
+        return aborted
+
+    def _check_stop_strings(self, scheduled, sampled) -> list[Sequence]:
+        finished = []
+        for sc in scheduled:
+            seq = sc.seq
+            if seq.request_id not in sampled or seq.is_finished() or not seq.sampling_params.stop:
+                continue
+            text = self._detokenize(seq.output_token_ids)
+            hits = [text.find(s) for s in seq.sampling_params.stop if s in text]
+            if hits:
+                seq.stop_text = text[: min(hits)]
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        return finished
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
+        now = time.monotonic()
+        for seq in finished:
+            self._live.pop(seq.request_id, None)
+        return [self._output(seq, now) for seq in finished]
+
+    def _output(self, seq: Sequence, now: float) -> RequestOutput:
+        text = getattr(seq, "stop_text", None)
+        if text is None:
+            text = self._detokenize(seq.output_token_ids)
+        first = getattr(seq, "first_token_time", None)
+        metrics = {"arrival_time": seq.arrival_time, "finished_time": now}
+        if first is not None:
+            metrics["first_token_time"] = first
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=getattr(seq, "prompt", None),
+            prompt_token_ids=list(seq.prompt_token_ids),
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=metrics,
+        )

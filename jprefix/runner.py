@@ -1,0 +1,116 @@
+"""Device side of the engine: the paged KV cache and the jitted step.
+
+`step(params, kv_cache, batch)` runs the model over the step's flat tokens: per layer it
+writes the new K/V into the paged cache at `slot_mapping`, then runs paged attention for
+every sequence (write-then-attend, so blocks written this step by one sequence can be read
+by another in the same step). The cache is donated and updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jprefix.batch import BucketConfig, pack_step
+from jprefix.sampling import sample
+from models.config import ModelConfig
+from models.llama import compute_logits, forward
+from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
+BACKENDS = ("pallas", "xla", "pallas-interpret")
+
+
+def default_backend() -> str:
+    """Pallas on GPU; the XLA path (tested equal) elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _attention(backend: str, q, k_cache, v_cache, layer, batch, scale):
+    args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
+    if backend == "xla":
+        return paged_attention_reference(*args, scale=scale)
+    return paged_attention(*args, scale=scale, interpret=backend == "pallas-interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv_cache",))
+def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelConfig, backend: str):
+    """One engine step: returns (sampled token ids [S], updated kv_cache)."""
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def attn_fn(q, k, v, cache, layer):
+        k_cache, v_cache = write_kv(*cache, layer, k, v, batch["slot_mapping"])
+        out = _attention(backend, q, k_cache, v_cache, layer, batch, scale)
+        return out, (k_cache, v_cache)
+
+    hidden, kv_cache = forward(
+        params, cfg, batch["token_ids"], batch["positions"], kv_cache, attn_fn
+    )
+    logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
+    tokens = sample(
+        logits,
+        batch["temperature"],
+        batch["top_k"],
+        batch["top_p"],
+        batch["seeds"],
+        batch["counters"],
+    )
+    return tokens, kv_cache
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+    """Bytes of one physical block across all layers, K and V."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
+
+
+def auto_num_blocks(
+    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, max_blocks: int
+) -> int:
+    """KV blocks that fit in `memory_fraction` of the device memory free now."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:  # CPU: no device memory to size from
+        return max_blocks
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = int(free * memory_fraction)
+    return max(2, min(max_blocks, budget // kv_block_bytes(cfg, block_size, dtype)))
+
+
+class ModelRunner:
+    """Owns the params, the KV cache and the compiled steps."""
+
+    def __init__(
+        self,
+        params: Any,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: Any,
+        backend: str | None = None,
+        buckets: BucketConfig | None = None,
+    ):
+        backend = backend or default_backend()
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+        self.params, self.cfg, self.backend = params, cfg, backend
+        self.block_size = block_size
+        self.buckets = buckets or BucketConfig()
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        self.kv_cache: KVCache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+        self.shapes_seen: set[tuple[int, ...]] = set()
+
+    def execute(self, scheduled: Seq) -> np.ndarray:
+        """Runs one step; returns the sampled token of every scheduled sequence."""
+        batch = pack_step(scheduled, self.block_size, self.buckets)
+        self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape))
+        tokens, self.kv_cache = step(
+            self.params, self.kv_cache, jax.device_put(batch), cfg=self.cfg, backend=self.backend
+        )
+        return np.asarray(tokens)[: len(scheduled)]

@@ -1,0 +1,57 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Everything here runs inside the jitted step, so only the sampled ids cross to the host.
+Each request's randomness is `fold_in(key(seed), num_generated)`: a request draws the
+same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(
+    logits: jax.Array,  # [S, V] float32
+    temperature: jax.Array,  # [S] float32, 0 = greedy
+    top_k: jax.Array,  # [S] int32, -1 = off
+    top_p: jax.Array,  # [S] float32, 1 = off
+    seeds: jax.Array,  # [S] uint32
+    counters: jax.Array,  # [S] int32, tokens generated so far
+) -> jax.Array:  # [S] int32
+    """Samples one token per row; rows with temperature 0 take the argmax."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jnp.where(
+            temperature > 0,
+            _sample_random(logits, temperature, top_k, top_p, seeds, counters),
+            greedy,
+        ),
+        lambda: greedy,
+    )
+
+
+def _sample_random(logits, temperature, top_k, top_p, seeds, counters):
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = logits / safe_t[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # [S, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    sorted_logits = _mask_top_k(sorted_logits, top_k)
+    sorted_logits = _mask_top_p(sorted_logits, top_p)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+    picked = jax.vmap(jax.random.categorical)(keys, sorted_logits)  # [S] index into sorted
+    return jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _mask_top_k(sorted_logits, top_k):
+    rank = jnp.arange(sorted_logits.shape[-1])[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    return jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def _mask_top_p(sorted_logits, top_p):
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
+    keep = mass_before < top_p[:, None]  # always keeps the best token
+    return jnp.where(keep, sorted_logits, -jnp.inf)

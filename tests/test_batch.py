@@ -1,0 +1,46 @@
+"""Step packing: slots follow block tables, padding goes to the null block, shapes bucket."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from jprefix.batch import BucketConfig, bucket, pack_step
+
+B = 4
+
+
+def _sched(tokens, blocks, start, n, out=()):
+    sp = SimpleNamespace(temperature=0.5, top_k=3, top_p=0.9)
+    seq = SimpleNamespace(all_token_ids=list(tokens) + list(out), block_table=blocks,
+                          sampling_params=sp, seed=7, output_token_ids=list(out))
+    return SimpleNamespace(seq=seq, start=start, num_new_tokens=n)
+
+
+def test_bucket_is_next_power_of_two():
+    assert [bucket(n, 8) for n in (1, 8, 9, 16, 17, 300)] == [8, 8, 16, 16, 32, 512]
+
+
+def test_pack_places_every_token_at_its_slot():
+    rng = np.random.default_rng(0)
+    scheduled = [
+        _sched(range(100, 110), [5, 9, 2], 0, 10),  # plain prefill
+        _sched(range(200, 209), [7, 3, 11], 8, 1),  # prefix-cached: 8 cached, 1 new
+        _sched(range(300, 306), [4, 6], 5, 1, out=[42]),  # decode
+    ]
+    rng.shuffle(scheduled)
+    b = pack_step(scheduled, B, BucketConfig(min_tokens=16, min_seqs=8, min_blocks=4))
+    assert b["token_ids"].shape == (16,) and b["block_tables"].shape == (8, 4)
+    for i, sc in enumerate(scheduled):
+        lo, hi = b["cu_q_lens"][i], b["cu_q_lens"][i + 1]
+        assert hi - lo == sc.num_new_tokens
+        assert b["kv_lens"][i] == sc.start + sc.num_new_tokens
+        assert b["logits_idx"][i] == hi - 1
+        for t in range(lo, hi):
+            pos = b["positions"][t]
+            assert b["token_ids"][t] == sc.seq.all_token_ids[pos]
+            assert b["slot_mapping"][t] == sc.seq.block_table[pos // B] * B + pos % B
+    n = b["cu_q_lens"][len(scheduled)]
+    assert (b["slot_mapping"][n:] == 0).all()  # padding writes the null block
+    assert (b["cu_q_lens"][len(scheduled):] == n).all()  # padding sequences have q_len 0
+    assert (b["kv_lens"][len(scheduled):] == 0).all()
+    assert b["temperature"][0] == np.float32(0.5) and b["top_k"][0] == 3
