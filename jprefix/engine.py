@@ -76,6 +76,8 @@ class LLMEngine:
         self._pending: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()
         self._live: dict[str, Sequence] = {}  # requests in the scheduler, by id
+        # (num_seqs, num_tokens, host_s, step_s, device_wait_s) of recent steps
+        self.step_stats: collections.deque = collections.deque(maxlen=100_000)
         self._step_lock = threading.Lock()
         self._rng = np.random.default_rng(self.args.seed)
         self._counter = 0
@@ -149,11 +151,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished (or were aborted) in it."""
         with self._step_lock:
+            t0 = time.perf_counter()
             aborted = self._drain_queues()
             out = self.scheduler.schedule()
             if not out.scheduled:
                 return self._collect(aborted)
+            t1 = time.perf_counter()
             tokens = self.runner.execute(out.scheduled)
+            t2 = time.perf_counter()
             sampled = {sc.seq.request_id: int(t) for sc, t in zip(out.scheduled, tokens, strict=True)
                        if sc.sample}
             now = time.monotonic()
@@ -162,7 +167,16 @@ class LLMEngine:
                     sc.seq.first_token_time = now
             finished = aborted + self.scheduler.update(out, sampled)
             finished += self._check_stop_strings(out.scheduled, sampled)
-            return self._collect(finished)
+            outputs = self._collect(finished)
+            self._record(out, t0, t1, t2)
+            return outputs
+
+    def _record(self, out, t0: float, t1: float, t2: float) -> None:
+        """Per-step timing: host seconds (schedule, pack, dispatch, postprocess) vs total."""
+        pack, wait = self.runner.last_timing
+        end = time.perf_counter()
+        host = (t1 - t0) + pack + (end - t2)
+        self.step_stats.append((len(out.scheduled), out.num_batched_tokens, host, end - t0, wait))
 
     def _drain_queues(self) -> list[Sequence]:
         """Moves queued requests into the scheduler; returns the sequences aborted."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -105,12 +106,21 @@ class ModelRunner:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache: KVCache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
         self.shapes_seen: set[tuple[int, ...]] = set()
+        self.last_timing = (0.0, 0.0)
 
     def execute(self, scheduled: Seq) -> np.ndarray:
-        """Runs one step; returns the sampled token of every scheduled sequence."""
+        """Runs one step; returns the sampled token of every scheduled sequence.
+
+        Records (host seconds to pack and dispatch, seconds waiting for the device) in
+        `last_timing`.
+        """
+        t0 = time.perf_counter()
         batch = pack_step(scheduled, self.block_size, self.buckets)
         self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape))
         tokens, self.kv_cache = step(
             self.params, self.kv_cache, jax.device_put(batch), cfg=self.cfg, backend=self.backend
         )
-        return np.asarray(tokens)[: len(scheduled)]
+        t1 = time.perf_counter()
+        host_tokens = np.asarray(tokens)[: len(scheduled)]
+        self.last_timing = (t1 - t0, time.perf_counter() - t1)
+        return host_tokens

@@ -1,0 +1,144 @@
+"""Engine benchmark (issue 4): shared-prefix throughput, TTFT, host share, KV memory.
+
+Workload: N requests of `prefix` shared + `unique` own random tokens, `--output-len` new
+tokens each (ignore_eos), dummy weights of a real architecture. Each configuration runs
+the workload twice and reports the second run (the first compiles every shape bucket);
+the prefix cache is reset in between, so the cached run still computes its prefix once.
+
+    PYTHONPATH=$PWD python scripts/bench_engine.py --model llama-2-7b --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import numpy as np  # noqa: E402
+
+from jprefix import LLM, SamplingParams, load  # noqa: E402
+
+
+def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(10, vocab, prefix).tolist()
+    return [shared + rng.integers(10, vocab, unique).tolist() for _ in range(n)]
+
+
+def run_throughput(llm: LLM, prompts, prefix_len, output_len: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    best = None
+    for _ in range(2):  # the first run compiles
+        llm.reset_prefix_cache()
+        llm.engine.step_stats.clear()
+        blocks = llm.engine.scheduler.block_manager
+        peak = 0
+        start = time.perf_counter()
+        llm.engine.step_stats.clear()
+        for seq in [llm.engine.make_sequence(p, sp, prefix_len) for p in prompts]:
+            llm.engine.add_sequence(seq)
+        done = 0
+        while done < len(prompts):
+            done += len(llm.engine.step())
+            peak = max(peak, blocks.num_blocks - 1 - blocks.num_free_blocks)
+        elapsed = time.perf_counter() - start
+        best = dict(elapsed_s=elapsed, peak_used_blocks=peak, stats=list(llm.engine.step_stats))
+    out_tokens = len(prompts) * output_len
+    stats = best.pop("stats")
+    decode = [s for s in stats if s[0] >= len(prompts) * 0.9 and s[1] == s[0]]
+    host_share = (
+        sum(s[2] for s in decode) / sum(s[3] for s in decode) if decode else float("nan")
+    )
+    return dict(
+        **best,
+        output_tok_s=out_tokens / best["elapsed_s"],
+        steps=len(stats),
+        full_batch_decode_steps=len(decode),
+        full_batch_step_ms=1e3 * statistics.median([s[3] for s in decode]) if decode else None,
+        host_share_full_batch=host_share,
+        prefill_tokens=sum(s[1] for s in stats) - sum(s[0] for s in stats if s[1] == s[0]),
+    )
+
+
+def run_ttft(llm: LLM, prompt: list[int], prefix_len: int, cached: bool, reps: int) -> float:
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(reps + 2):
+        llm.reset_prefix_cache()
+        if cached:
+            llm.generate([prompt[:prefix_len] + [11 + i]], sp, prefix_pos=prefix_len,
+                         use_tqdm=False)
+        start = time.perf_counter()
+        out = llm.generate([prompt], sp, prefix_pos=prefix_len, use_tqdm=False)[0]
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+            assert out.num_cached_tokens == (prefix_len if cached else 0), out.num_cached_tokens
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--prefix-len", type=int, default=596)
+    ap.add_argument("--unique-len", type=int, default=104)
+    ap.add_argument("--output-len", type=int, nargs="+", default=[128, 32])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--ttft-reps", type=int, default=10)
+    ap.add_argument("--skip-off", action="store_true", help="skip the cache-off runs")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    model = load(args.model, dtype="bfloat16", load_format=args.load_format)
+    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
+                           model.config.vocab_size, 0)
+    results: dict = {"model": args.model, "num_prompts": args.num_prompts,
+                     "prefix_len": args.prefix_len, "unique_len": args.unique_len}
+    modes = [True] if args.skip_off else [True, False]
+    for caching in modes:
+        llm = LLM(model, enable_prefix_caching=caching,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
+        tag = "on" if caching else "off"
+        results[f"num_kv_blocks_{tag}"] = llm.engine.scheduler.block_manager.num_blocks
+        for out_len in args.output_len:
+            r = run_throughput(llm, prompts, args.prefix_len, out_len)
+            results[f"throughput_{tag}_out{out_len}"] = r
+            print(f"cache {tag} out {out_len}: {r}", flush=True)
+        results[f"ttft_ms_{tag}_cached" if caching else "ttft_ms_off"] = run_ttft(
+            llm, prompts[0], args.prefix_len, caching, args.ttft_reps)
+        if caching:
+            results["ttft_ms_on_uncached"] = run_ttft(
+                llm, prompts[0], args.prefix_len, False, args.ttft_reps)
+        del llm
+    print_table(results, args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def print_table(r: dict, args) -> None:
+    print(f"\n{args.model} dummy weights, {args.num_prompts} x ({args.prefix_len} shared + "
+          f"{args.unique_len}) tokens")
+    for out_len in args.output_len:
+        on = r.get(f"throughput_on_out{out_len}")
+        off = r.get(f"throughput_off_out{out_len}")
+        line = f"out {out_len:4d}: cache on {on['output_tok_s']:9.0f} tok/s"
+        if off:
+            line += (f" | off {off['output_tok_s']:9.0f} tok/s | on/off "
+                     f"{on['output_tok_s'] / off['output_tok_s']:.2f}x | peak blocks on/off "
+                     f"{on['peak_used_blocks']}/{off['peak_used_blocks']}")
+        line += (f" | full-batch step {on['full_batch_step_ms']} ms, host share "
+                 f"{on['host_share_full_batch']:.1%}")
+        print(line)
+    for key in ("ttft_ms_on_cached", "ttft_ms_on_uncached", "ttft_ms_off"):
+        if key in r:
+            print(f"{key}: {r[key]:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
