@@ -126,10 +126,9 @@ class LLMEngine:
         prefix_len = check_prefix_len(prefix_len, len(ids))
         if request_id is None:
             request_id, self._counter = str(self._counter), self._counter + 1
-        seq = Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt)
-        seq.prompt = prompt if isinstance(prompt, str) else None
-        seq.seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
-        return seq
+        seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
+        return Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt,
+                        seed=seed, prompt=prompt if isinstance(prompt, str) else None)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queues a validated sequence; thread-safe, takes effect at the next step."""
@@ -155,7 +154,7 @@ class LLMEngine:
             aborted = self._drain_queues()
             out = self.scheduler.schedule()
             if not out.scheduled:
-                return self._collect(aborted)
+                return self._collect(aborted + self.scheduler.update(out, {}))
             t1 = time.perf_counter()
             tokens = self.runner.execute(out.scheduled)
             t2 = time.perf_counter()
@@ -163,7 +162,7 @@ class LLMEngine:
                        if sc.sample}
             now = time.monotonic()
             for sc in out.scheduled:
-                if sc.sample and getattr(sc.seq, "first_token_time", None) is None:
+                if sc.sample and sc.seq.first_token_time is None:
                     sc.seq.first_token_time = now
             finished = aborted + self.scheduler.update(out, sampled)
             finished += self._check_stop_strings(out.scheduled, sampled)
@@ -217,16 +216,15 @@ class LLMEngine:
         return [self._output(seq, now) for seq in finished]
 
     def _output(self, seq: Sequence, now: float) -> RequestOutput:
-        text = getattr(seq, "stop_text", None)
+        text = seq.stop_text
         if text is None:
             text = self._detokenize(seq.output_token_ids)
-        first = getattr(seq, "first_token_time", None)
         metrics = {"arrival_time": seq.arrival_time, "finished_time": now}
-        if first is not None:
-            metrics["first_token_time"] = first
+        if seq.first_token_time is not None:
+            metrics["first_token_time"] = seq.first_token_time
         return RequestOutput(
             request_id=seq.request_id,
-            prompt=getattr(seq, "prompt", None),
+            prompt=seq.prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
             text=text,
             token_ids=list(seq.output_token_ids),

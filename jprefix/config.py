@@ -1,0 +1,54 @@
+"""Host-side configuration: the scheduler's and the KV cache's knobs (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check_positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits, named as vLLM names them.
+
+    `eos_token_ids` end a request (unless its `ignore_eos`); `policy` orders the waiting
+    queue ("fcfs"); `max_model_len` is informational here (the engine validates requests).
+    """
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
+    policy: str = "fcfs"
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` physical blocks of `block_size` tokens (block 0 is the
+    reserved null block); None sizes it from `gpu_memory_utilization` of device memory."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self):
+        _check_positive(self, "block_size")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"
+            )

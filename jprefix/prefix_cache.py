@@ -1,0 +1,335 @@
+"""Prefix cache: a block-granular PrefixTrie behind the original's PrefixPool surface.
+
+A trie node is one full block of token ids, keyed under its parent by the exact tuple of
+those ids, so two prompts can only share a block if every token up to it is equal (no
+hash can alias them). Each cache salt has its own root: tenants never share blocks. A
+node's `prefix_hash` is a stable hash of (salt, every token from the root to the node);
+it names a prefix for `delete_prefix`. Multi-level prefixes (policy -> department ->
+case) share their parents' nodes by construction.
+
+LRU eviction lives in the BlockManager's free list (see block_manager.py); the pool
+registers `_evict` there and drops the node of a block when the block is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from jprefix.block_manager import BlockManager
+
+
+def root_hash(salt: str | None) -> int:
+    """Hash of the empty prefix of a salt."""
+    data = b"jprefix" if salt is None else b"jprefix:salt:" + salt.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def block_hash(parent_hash: int, tokens: Seq[int]) -> int:
+    """Chained hash: the parent's prefix hash and this block's tokens."""
+    data = struct.pack(f"<Q{len(tokens)}q", parent_hash, *tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def prefix_hash_of(token_ids: Seq[int], block_size: int, salt: str | None = None) -> int:
+    """The prefix_hash of the whole blocks of token_ids (what the trie node would carry)."""
+    h = root_hash(salt)
+    for i in range(len(token_ids) // block_size):
+        h = block_hash(h, token_ids[i * block_size : (i + 1) * block_size])
+    return h
+
+
+@dataclass(eq=False)
+class PrefixNode:
+    """One full cached block. The root of a salt has block -1 and no tokens."""
+
+    tokens: tuple[int, ...]
+    block: int
+    prefix_hash: int
+    parent: PrefixNode | None = None
+    children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
+
+    def path(self) -> list[PrefixNode]:
+        """The nodes from the first block down to this one."""
+        nodes, node = [], self
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+
+class PrefixTrie:
+    """Block-granular token trie with one root per cache salt."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._roots: dict[str | None, PrefixNode] = {}
+        self._by_block: dict[int, PrefixNode] = {}
+        self._by_hash: dict[int, PrefixNode] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_block)
+
+    def root(self, salt: str | None) -> PrefixNode:
+        if salt not in self._roots:
+            self._roots[salt] = PrefixNode((), -1, root_hash(salt))
+        return self._roots[salt]
+
+    def nodes(self) -> list[PrefixNode]:
+        return list(self._by_block.values())
+
+    def match(
+        self, token_ids: Seq[int], max_blocks: int, salt: str | None = None
+    ) -> list[PrefixNode]:
+        """Longest cached run of whole blocks of token_ids, at most max_blocks."""
+        B, node, out = self.block_size, self._roots.get(salt), []
+        limit = min(max_blocks, len(token_ids) // B)
+        while node is not None and len(out) < limit:
+            i = len(out)
+            node = node.children.get(tuple(token_ids[i * B : (i + 1) * B]))
+            if node is not None:
+                out.append(node)
+        return out
+
+    def insert(self, parent: PrefixNode, tokens: tuple[int, ...], block: int) -> PrefixNode:
+        """Adds a child of parent for these tokens in `block`; if that child exists already
+        (in another block) it is returned unchanged."""
+        if len(tokens) != self.block_size:
+            raise ValueError(f"a trie node holds {self.block_size} tokens, got {len(tokens)}")
+        node = parent.children.get(tokens)
+        if node is None:
+            node = PrefixNode(tokens, block, block_hash(parent.prefix_hash, tokens), parent)
+            parent.children[tokens] = node
+            self._by_block[block] = node
+            self._by_hash.setdefault(node.prefix_hash, node)
+        return node
+
+    def node_of(self, block: int) -> PrefixNode | None:
+        return self._by_block.get(block)
+
+    def find(self, prefix_hash: int) -> PrefixNode | None:
+        return self._by_hash.get(prefix_hash)
+
+    def remove_subtree(self, node: PrefixNode) -> list[PrefixNode]:
+        """Unlinks node and all its descendants; returns them (node first)."""
+        removed, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            removed.append(n)
+            stack.extend(n.children.values())
+            del self._by_block[n.block]
+            if self._by_hash.get(n.prefix_hash) is n:
+                del self._by_hash[n.prefix_hash]
+        parent = node.parent
+        del parent.children[node.tokens]
+        for n in removed:
+            n.children, n.parent = {}, None
+        return removed
+
+    def clear(self) -> list[PrefixNode]:
+        """Removes every node; returns them."""
+        removed = []
+        for root in self._roots.values():
+            for child in list(root.children.values()):
+                removed += self.remove_subtree(child)
+        self._roots.clear()
+        return removed
+
+
+@dataclass
+class Prefix:
+    """A registered prefix: its whole blocks of token ids under a salt."""
+
+    prefix_hash: int
+    token_ids: tuple[int, ...]
+    salt: str | None = None
+    pinned_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def hash(self) -> int:
+        return self.prefix_hash
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pinned_blocks)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    num_queried_tokens: int  # prompt tokens of scheduled requests
+    num_hit_tokens: int  # of those, served from the cache
+    num_cached_blocks: int  # trie nodes (in use or evictable)
+    num_evictable_blocks: int  # cached blocks no request holds
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class PrefixPool:
+    """The prefix cache the scheduler matches against, with the original's user surface:
+    `add_or_get_prefix`, `delete_prefix(prefix_hash)`, pinning of warmed prefixes,
+    `reset()` and hit/query counters."""
+
+    def __init__(self, block_manager: BlockManager):
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.trie = PrefixTrie(self.block_size)
+        self._prefixes: dict[int, Prefix] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+        block_manager.set_evictor(self._evict)
+
+    # -- scheduler side --------------------------------------------------------------
+
+    def acquire(self, token_ids: Seq[int], max_blocks: int, salt: str | None = None) -> list[int]:
+        """Matches whole cached blocks (at most max_blocks) and takes a reference to each."""
+        blocks = [n.block for n in self.trie.match(token_ids, max_blocks, salt)]
+        for block in blocks:
+            self.block_manager.incref(block)
+        return blocks
+
+    def register_blocks(self, seq: Any, num_tokens: int, max_blocks: int) -> None:
+        """Inserts seq's full blocks among its first num_tokens tokens (at most max_blocks)
+        that are not in the trie yet. A block whose tokens are already cached in another
+        block stays private, and so do the sequence's later blocks."""
+        B, tokens, table = self.block_size, seq.all_token_ids, seq.block_table
+        end = min(num_tokens // B, max_blocks)
+        while seq.num_registered_blocks < end:
+            i = seq.num_registered_blocks
+            parent = self.trie.root(seq.cache_salt) if i == 0 else self.trie.node_of(table[i - 1])
+            if parent is None:  # its path was deleted while it ran
+                return
+            node = self.trie.insert(parent, tuple(tokens[i * B : (i + 1) * B]), table[i])
+            if node.block != table[i]:
+                return
+            self.block_manager.mark_cached(table[i])
+            seq.num_registered_blocks += 1
+
+    def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_prompt_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def _evict(self, block: int) -> None:
+        for node in self.trie.remove_subtree(self.trie.node_of(block)):
+            self.block_manager.uncache(node.block)
+
+    # -- user side -------------------------------------------------------------------
+
+    def add_or_get_prefix(
+        self,
+        token_ids: Seq[int],
+        prefix_len: int | None = None,
+        salt: str | None = None,
+        pin: bool = False,
+    ) -> Prefix:
+        """Registers the first prefix_len tokens (rounded down to whole blocks) as a named
+        prefix, or returns the one registered already. With pin, its cached blocks are
+        held until `unpin` or `delete_prefix` (call after the prefix has been computed)."""
+        prefix_len = len(token_ids) if prefix_len is None else prefix_len
+        if not 0 <= prefix_len <= len(token_ids):
+            raise ValueError(f"prefix_len {prefix_len} is outside [0, {len(token_ids)}]")
+        tokens = tuple(int(t) for t in token_ids[: prefix_len // self.block_size * self.block_size])
+        h = prefix_hash_of(tokens, self.block_size, salt)
+        prefix = self._prefixes.setdefault(h, Prefix(h, tokens, salt))
+        if pin:
+            self.pin(h)
+        return prefix
+
+    def get_prefix(self, prefix_hash: int) -> Prefix | None:
+        return self._prefixes.get(prefix_hash)
+
+    def cached_blocks(self, prefix_hash: int) -> list[int]:
+        """The physical blocks of a registered prefix that are cached now."""
+        return [n.block for n in self._cached_path(self._registered(prefix_hash))]
+
+    def pin(self, prefix_hash: int) -> int:
+        """Holds the prefix's cached blocks so they are never evicted; returns their count."""
+        prefix = self._registered(prefix_hash)
+        self._unpin(prefix)
+        prefix.pinned_blocks = self.cached_blocks(prefix_hash)
+        for block in prefix.pinned_blocks:
+            self.block_manager.incref(block)
+        return len(prefix.pinned_blocks)
+
+    def unpin(self, prefix_hash: int) -> None:
+        self._unpin(self._registered(prefix_hash))
+
+    def delete_prefix(self, prefix_hash: int) -> int:
+        """Drops a prefix (registered, or any cached node's hash) and its unshared blocks.
+
+        Nodes on its path that another registered prefix also uses stay; the first node
+        that no other registered prefix needs is removed with its whole subtree. Removed
+        blocks no request holds are freed now (the count is returned); blocks still held
+        by running requests leave the trie and are freed on their last release.
+        """
+        prefix = self._prefixes.pop(prefix_hash, None)
+        if prefix is not None:
+            self._unpin(prefix)
+            path = self._cached_path(prefix)
+        elif (node := self.trie.find(prefix_hash)) is not None:
+            path = node.path()
+        else:
+            raise ValueError(f"prefix_hash {prefix_hash} is neither registered nor cached")
+        needed = {id(n) for p in self._prefixes.values() for n in self._cached_path(p)}
+        for node in path:
+            if id(node) not in needed:
+                return self._drop(node)
+        return 0
+
+    def reset(self) -> bool:
+        """reset_prefix_cache: drops every cached block. Refused (False) while any block
+        is in use, by a request or a pin; registered prefixes stay registered."""
+        if self.block_manager.num_used_blocks:
+            return False
+        for node in self.trie.clear():
+            self.block_manager.uncache(node.block)
+        return True
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            self.num_queried_tokens,
+            self.num_hit_tokens,
+            len(self.trie),
+            self.block_manager.num_evictable_blocks,
+        )
+
+    def _registered(self, prefix_hash: int) -> Prefix:
+        if prefix_hash not in self._prefixes:
+            raise ValueError(f"prefix_hash {prefix_hash} is not a registered prefix")
+        return self._prefixes[prefix_hash]
+
+    def _cached_path(self, prefix: Prefix) -> list[PrefixNode]:
+        return self.trie.match(prefix.token_ids, len(prefix.token_ids), prefix.salt)
+
+    def _unpin(self, prefix: Prefix) -> None:
+        self.block_manager.free(prefix.pinned_blocks)
+        prefix.pinned_blocks = []
+
+    def _drop(self, node: PrefixNode) -> int:
+        freed = 0
+        for n in self.trie.remove_subtree(node):
+            freed += self.block_manager.ref_count(n.block) == 0
+            self.block_manager.uncache(n.block)
+        return freed
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if trie and block manager disagree (tests)."""
+        bm = self.block_manager
+        nodes = self.trie.nodes()
+        assert len(nodes) == sum(bm.is_cached(b) for b in range(bm.num_blocks))
+        position = {b: i for i, b in enumerate(bm.free_order())}
+        for node in nodes:
+            assert bm.is_cached(node.block) and node.parent.children[node.tokens] is node
+            for child in node.children.values():
+                # Held children imply a held parent; free parents sit behind free children.
+                assert bm.ref_count(child.block) <= 0 or bm.ref_count(node.block) > 0
+                if bm.ref_count(node.block) == 0:
+                    assert position[child.block] < position[node.block]

@@ -1,0 +1,47 @@
+"""SamplingParams: how one request samples and when it stops (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's sampling parameters. `temperature=0` is greedy; `top_k=-1` and `top_p=1` are
+    off. A request stops at EOS (unless `ignore_eos`), at any of `stop_token_ids` or `stop`
+    strings (both only after `min_tokens`), or after `max_tokens` generated tokens."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first invalid value."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")

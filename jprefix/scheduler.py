@@ -1,0 +1,292 @@
+"""Scheduler: continuous batching with prefix matching, chunked prefill and preemption.
+
+Each `schedule()` fills a token budget: running sequences first (a decode is one token;
+a chunked prefill continues), then waiting ones in the order of the policy. A sequence
+admitted for the first time is matched against the prefix cache (whole blocks, leaving
+at least one prompt token to compute, since its logits are needed). Full blocks computed
+this step are inserted into the trie at schedule time, so a sequence scheduled later in
+the same step can share them (the runner writes each layer's K/V before attending).
+When blocks run out, unreferenced cached blocks are evicted (LRU, leaves first), then
+the most recently arrived running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from jprefix.block_manager import BlockManager
+from jprefix.config import SchedulerConfig
+from jprefix.prefix_cache import PrefixPool
+from jprefix.sequence import Sequence, SequenceStatus
+
+
+class Policy:
+    """The waiting queue; a policy decides its order. O(1) per operation here."""
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[str, Sequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._queue
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._queue.values())
+
+    def add(self, seq: Sequence) -> None:
+        """A new request."""
+        self._queue[seq.request_id] = seq
+
+    def prepend(self, seq: Sequence) -> None:
+        """A preempted request: it goes first."""
+        self.add(seq)
+        self._queue.move_to_end(seq.request_id, last=False)
+
+    def peek(self) -> Sequence | None:
+        """The next request to admit, or None."""
+        return next(iter(self._queue.values()), None)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        return self._queue.pop(request_id, None)
+
+
+class FCFSPolicy(Policy):
+    """First come, first served (preempted requests first)."""
+
+
+POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy}
+
+
+def make_policy(name: str, prefix_pool: PrefixPool) -> Policy:
+    """The waiting-queue policy by name; prefix-aware policies will read prefix_pool."""
+    if name not in POLICIES:
+        raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """Compute `seq.all_token_ids[start:start+num_new_tokens]` at positions start..;
+    `sample` (fixed at schedule time) says whether the step samples a token for it."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    sample: bool = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "sample", self.start + self.num_new_tokens == self.seq.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # back to waiting, blocks freed
+    ignored: list[Sequence] = field(default_factory=list)  # finished 'error': can never fit
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Host-side scheduler; `schedule()` and `update()` alternate, one pair per step."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 prefix_pool: PrefixPool):
+        self.config = config
+        self.block_manager = block_manager
+        self.prefix_pool = prefix_pool
+        self.block_size = block_manager.block_size
+        self.waiting = make_policy(config.policy, prefix_pool)
+        self.running: dict[str, Sequence] = {}  # in arrival order
+        self._running_sorted = True
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.running or seq.request_id in self.waiting:
+            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        self.waiting.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes a request with reason 'abort' and frees its blocks; False if unknown."""
+        seq = self.running.get(request_id) or self.waiting.remove(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, "abort")
+        return True
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (the engine calls this on a stop string) and frees its blocks."""
+        self.running.pop(seq.request_id, None)
+        self.waiting.remove(seq.request_id)
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        seq.set_finished(reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # -- schedule --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self._running_sorted:
+            ordered = sorted(self.running.values(), key=lambda s: s.arrival_time)
+            self.running = {s.request_id: s for s in ordered}
+            self._running_sorted = True
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # no new admissions in a step that had to preempt
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running.values()):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
+                continue
+            n = self._reserve_running(seq, min(seq.num_tokens - seq.num_computed_tokens, budget),
+                                      out)
+            if n:
+                out.scheduled.append(self._commit(seq, n))
+                budget -= n
+        return budget
+
+    def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Tokens of seq that fit (preempting later arrivals as needed); 0 if none."""
+        while (fit := self._tokens_that_fit(seq, n)) == 0:
+            victim = next(reversed(self.running.values()))
+            if victim is seq and len(self.running) == 1:
+                self._ignore(seq, out)  # alone and still out of blocks: can never fit
+                return 0
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+        return fit
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            if self._never_fits(seq):
+                self._ignore(seq, out)
+                continue
+            n = self._admit(seq, budget)
+            if n == 0:
+                if not self.running:  # nothing can free blocks for it
+                    self._ignore(seq, out)
+                    continue
+                break
+            self.waiting.remove(seq.request_id)
+            self._add_running(seq)
+            out.scheduled.append(self._commit(seq, n))
+            budget -= n
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Matches the prefix cache and sizes the first chunk; 0 (and no blocks held) if
+        the sequence cannot start this step."""
+        if self.config.enable_prefix_caching:
+            self._match(seq)
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        chunk = self._can_chunk(seq)
+        n = self._tokens_that_fit(seq, min(remaining, budget) if chunk else remaining)
+        if n == 0 or n > budget or (n < remaining and not chunk):
+            self.block_manager.free(seq.reset_blocks())
+            return 0
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.config.enable_prefix_caching:
+                self.prefix_pool.record_query(seq.num_prompt_tokens, seq.num_cached_tokens)
+        return n
+
+    def _match(self, seq: Sequence) -> None:
+        max_blocks = min(self._shareable_blocks(seq), (seq.num_tokens - 1) // self.block_size)
+        seq.block_table = self.prefix_pool.acquire(seq.all_token_ids, max_blocks, seq.cache_salt)
+        seq.num_registered_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def _commit(self, seq: Sequence, n: int) -> ScheduledSeq:
+        """Allocates blocks for n more tokens and registers the blocks they fill."""
+        end = seq.num_computed_tokens + n
+        need = self.block_manager.blocks_for(end) - len(seq.block_table)
+        seq.block_table.extend(self.block_manager.allocate(need))
+        if self.config.enable_prefix_caching:
+            self.prefix_pool.register_blocks(seq, end, self._shareable_blocks(seq))
+        return ScheduledSeq(seq, seq.num_computed_tokens, n)
+
+    def _tokens_that_fit(self, seq: Sequence, n: int) -> int:
+        capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
+        return max(0, min(n, capacity - seq.num_computed_tokens))
+
+    def _shareable_blocks(self, seq: Sequence) -> int:
+        if seq.prefix_len is None:
+            return seq.num_tokens // self.block_size
+        return seq.prefix_len // self.block_size
+
+    def _can_chunk(self, seq: Sequence) -> bool:
+        # A preempted sequence recomputes prompt + output, which may exceed the budget.
+        return self.config.enable_chunked_prefill or seq.num_preemptions > 0
+
+    def _never_fits(self, seq: Sequence) -> bool:
+        bm = self.block_manager
+        if bm.blocks_for(seq.num_tokens) > bm.num_blocks - 1:
+            return True
+        return not self._can_chunk(seq) and seq.num_tokens > self.config.max_num_batched_tokens
+
+    def _add_running(self, seq: Sequence) -> None:
+        if self.running:
+            last = next(reversed(self.running.values()))
+            self._running_sorted &= last.arrival_time <= seq.arrival_time
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq.request_id] = seq
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        del self.running[seq.request_id]
+        self.block_manager.free(seq.reset_blocks())
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.waiting.prepend(seq)
+        out.preempted.append(seq)
+
+    def _ignore(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.finish(seq, "error")
+        out.ignored.append(seq)
+
+    # -- update ----------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Applies a step's results; returns the sequences finished by it (including
+        `output.ignored`). `sampled` maps request_id -> token for every `sample` entry."""
+        finished = list(output.ignored)
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.is_finished():  # aborted or stopped between schedule and update
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            if s.sample:
+                seq.append_token(sampled[seq.request_id])
+                reason = self._stop_reason(seq)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        sp, token = seq.sampling_params, seq.all_token_ids[-1]
+        if seq.num_output_tokens >= getattr(sp, "min_tokens", 0):
+            if token in (sp.stop_token_ids or ()):
+                return "stop"
+            if not sp.ignore_eos and token in self.config.eos_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= sp.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,117 @@
+"""Sequence: one request's tokens, cache blocks and lifecycle (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, its blocks freed (recompute)
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # can never fit in the KV cache
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "error",
+}
+FINISHED_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
+
+
+class Sequence:
+    """One request. Tokens `all_token_ids[:num_computed_tokens]` have K/V in the cache, in
+    the physical blocks `block_table` (token i lives in block_table[i // block_size]).
+
+    `prefix_len` None is automatic prefix caching (every full block shareable); an int
+    makes only the first `prefix_len // block_size` blocks shareable. `cache_salt`
+    isolates tenants: sequences with different salts never share blocks.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        prefix_len: int | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        seed: int = 0,
+        prompt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.prefix_len = prefix_len
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self._token_ids = list(self.prompt_token_ids)  # prompt + output
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_registered_blocks = 0  # leading blocks of block_table that are trie nodes
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.seed = seed  # sampling stream: fold_in(key(seed), num_output_tokens)
+        self.prompt = prompt  # the prompt text, when it was given as text
+        self.first_token_time: float | None = None
+        self.stop_text: str | None = None  # output text cut before a matched stop string
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output tokens (the live list: read, do not mutate)."""
+        return self._token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._token_ids) - len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self._token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def set_finished(self, reason: str) -> None:
+        """Marks the sequence finished: reason is 'stop', 'length', 'abort' or 'error'."""
+        if reason not in FINISHED_STATUS:
+            raise ValueError(f"finish reason {reason!r} is not one of {sorted(FINISHED_STATUS)}")
+        self.status = FINISHED_STATUS[reason]
+        self.finish_reason = reason
+
+    def reset_blocks(self) -> list[int]:
+        """Forgets the sequence's cache state (preemption); returns the blocks it held."""
+        blocks, self.block_table = self.block_table, []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        return blocks
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,158 @@
+"""Engine equivalences: cached == uncached == dense greedy generation, on random tiny models.
+
+Also: a second batch computes only its new tokens, in-batch sharing, eviction and
+preemption keep outputs right, the compile count stays bounded, and ref counts balance.
+"""
+
+import numpy as np
+import pytest
+
+import jprefix
+from jprefix import LLM, SamplingParams
+from models.llama import dense_generate
+
+BS = 8  # block size: small so short prompts span several blocks
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return jprefix.load("tiny-llama", dtype="float32", load_format="dummy")
+
+
+def _prompts(rng, vocab, prefix_len, unique_lens):
+    shared = rng.integers(3, vocab, prefix_len).tolist()
+    return [shared + rng.integers(3, vocab, n).tolist() for n in unique_lens]
+
+
+def _dense(model, prompt, n):
+    return dense_generate(model.params, model.config, prompt, n, eos_token_ids=())
+
+
+def _greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _assert_blocks_balanced(llm):
+    bm = llm.engine.scheduler.block_manager
+    bm.check_invariants()
+    assert not llm.engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks - 1  # everything free or evictable
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto", "off"])
+def test_greedy_matches_dense_with_cache_on_and_off(tiny, mode):
+    rng = np.random.default_rng(1)
+    prompts = _prompts(rng, tiny.config.vocab_size, 37, [1, 5, 12, 20])
+    llm = LLM(tiny, block_size=BS, enable_prefix_caching=mode != "off", num_kv_blocks=128)
+    prefix = 37 if mode == "explicit" else None
+    for _ in range(2):  # the second round hits the cache filled by the first
+        outs = llm.generate(prompts, _greedy(10), prefix_pos=prefix, use_tqdm=False)
+        for p, o in zip(prompts, outs, strict=True):
+            assert o.token_ids == _dense(tiny, p, 10)
+            assert o.finish_reason == "length"
+    expect_cached = 0 if mode == "off" else 32
+    assert all(o.num_cached_tokens >= expect_cached for o in outs)
+    _assert_blocks_balanced(llm)
+
+
+def test_multi_level_prefixes_share_parent_blocks(tiny):
+    rng = np.random.default_rng(2)
+    V = tiny.config.vocab_size
+    policy = rng.integers(3, V, 24).tolist()
+    depts = [policy + rng.integers(3, V, 16).tolist() for _ in range(2)]
+    prompts = [d + rng.integers(3, V, 5).tolist() for d in depts for _ in range(2)]
+    prompts.append(policy + rng.integers(3, V, 9).tolist())
+    prefix_pos = [40, 40, 40, 40, 24]
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128)
+    llm.generate(prompts[:1] + prompts[2:3], _greedy(4), prefix_pos=[40, 40], use_tqdm=False)
+    outs = llm.generate(prompts, _greedy(6), prefix_pos=prefix_pos, use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == _dense(tiny, p, 6)
+    assert [o.num_cached_tokens for o in outs] == [40, 40, 40, 40, 24]
+    _assert_blocks_balanced(llm)
+
+
+def test_second_batch_computes_only_new_tokens(tiny):
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng, tiny.config.vocab_size, 48, [7, 9, 11])
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128)
+    llm.generate(prompts[:1], _greedy(1), prefix_pos=48, use_tqdm=False)
+    llm.engine.step_stats.clear()
+    outs = llm.generate(prompts, _greedy(1), prefix_pos=48, use_tqdm=False)
+    computed = sum(s[1] for s in llm.engine.step_stats)
+    assert [o.num_cached_tokens for o in outs] == [48, 48, 48]
+    assert computed == 7 + 9 + 11
+
+
+def test_in_batch_sharing_within_one_step(tiny):
+    rng = np.random.default_rng(4)
+    prompts = _prompts(rng, tiny.config.vocab_size, 32, [3, 4, 5, 6])
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128)
+    llm.engine.step_stats.clear()
+    outs = llm.generate(prompts, _greedy(1), prefix_pos=32, use_tqdm=False)
+    assert len(llm.engine.step_stats) == 1  # one step computed every prompt
+    assert llm.engine.step_stats[0][1] == 32 + 3 + 4 + 5 + 6  # the prefix once
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == _dense(tiny, p, 1)
+
+
+def test_eviction_and_preemption_keep_outputs_correct(tiny):
+    rng = np.random.default_rng(5)
+    V = tiny.config.vocab_size
+    prompts = [_prompts(rng, V, 24, [4])[0] for _ in range(6)]  # six distinct prefixes
+    # 12 usable blocks of 8: two sequences of 28 + 24 tokens need 14 -> preemption
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=13, max_num_seqs=4)
+    for _ in range(2):
+        outs = llm.generate(prompts, _greedy(24), prefix_pos=24, use_tqdm=False)
+        for p, o in zip(prompts, outs, strict=True):
+            assert o.token_ids == _dense(tiny, p, 24)
+    _assert_blocks_balanced(llm)
+
+
+def test_chunked_prefill_matches_dense(tiny):
+    rng = np.random.default_rng(6)
+    prompts = _prompts(rng, tiny.config.vocab_size, 50, [30, 2])
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, _greedy(5), prefix_pos=50, use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == _dense(tiny, p, 5)
+    assert max(s[1] for s in llm.engine.step_stats) <= 16
+
+
+def test_compilations_bounded_by_buckets(tiny):
+    rng = np.random.default_rng(7)
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=256, max_num_seqs=8,
+              max_num_batched_tokens=64)
+    for n in (1, 3, 8):
+        lens = rng.integers(1, 40, n).tolist()
+        llm.generate(_prompts(rng, tiny.config.vocab_size, 8, lens), _greedy(3), use_tqdm=False)
+    seen = llm.engine.runner.shapes_seen
+    T = {t for t, _, _ in seen}
+    S = {s for _, s, _ in seen}
+    assert T <= {16, 32, 64} and S <= {8}
+    assert len(seen) <= 3 * 1 * 4
+
+
+def test_pallas_interpret_backend_matches_xla(tiny):
+    rng = np.random.default_rng(8)
+    prompts = _prompts(rng, tiny.config.vocab_size, 16, [3, 9])
+    outs = {}
+    for backend in ("xla", "pallas-interpret"):
+        llm = LLM(tiny, block_size=BS, num_kv_blocks=32, attention_backend=backend)
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, _greedy(3), prefix_pos=16,
+                                                           use_tqdm=False)]
+    assert outs["xla"] == outs["pallas-interpret"]
+
+
+def test_stop_token_ids_and_max_tokens_finish(tiny):
+    rng = np.random.default_rng(9)
+    prompt = _prompts(rng, tiny.config.vocab_size, 10, [0])[0]
+    ref = _dense(tiny, prompt, 8)
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=64)
+    stop_at = ref[3]
+    sp = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert out.token_ids == ref[: ref.index(stop_at) + 1] and out.finish_reason == "stop"
+    out = llm.generate([prompt], _greedy(5), use_tqdm=False)[0]
+    assert out.token_ids == ref[:5] and out.finish_reason == "length"
