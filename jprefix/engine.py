@@ -158,8 +158,11 @@ class LLMEngine:
             t1 = time.perf_counter()
             tokens = self.runner.execute(out.scheduled)
             t2 = time.perf_counter()
-            sampled = {sc.seq.request_id: int(t) for sc, t in zip(out.scheduled, tokens, strict=True)
-                       if sc.sample}
+            sampled = {
+                sc.seq.request_id: int(t)
+                for sc, t in zip(out.scheduled, tokens, strict=True)
+                if sc.sample
+            }
             now = time.monotonic()
             for sc in out.scheduled:
                 if sc.sample and sc.seq.first_token_time is None:

@@ -28,7 +28,7 @@ def check_prefix_len(prefix_len: Any, prompt_len: int) -> int | None:
     if isinstance(prefix_len, bool) or not isinstance(prefix_len, int | np.integer):
         raise ValueError(f"prefix_len {prefix_len!r} must be an int or None")
     if not 0 <= prefix_len <= prompt_len:
-        raise ValueError(f"prefix_len {prefix_len} is outside [0, {prompt_len}] (the prompt length)")
+        raise ValueError(f"prefix_len {prefix_len} is outside [0, {prompt_len}], the prompt length")
     return int(prefix_len)
 
 
