@@ -1,0 +1,65 @@
+"""The real SmolLM2-135M: cached == uncached == dense greedy generation, and the CLI."""
+
+import pytest
+
+import jprefix
+from jprefix import LLM, SamplingParams
+from jprefix.cli import main as cli_main
+from models.llama import dense_generate
+
+SYSTEM = (
+    "You are a support assistant for a bookshop. Answer briefly and politely. Orders ship "
+    "within five business days and returns are accepted for thirty days after delivery. "
+    "We sell new and used books, sheet music and audiobooks; gift cards never expire; "
+    "customers with an account can track every parcel from the orders page."
+)
+USERS = ["Where is my order?", "Can I return a book?", "Do you sell music?"]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    return jprefix.load(smollm2_gguf, dtype="float32")
+
+
+def _chat(tok, user):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def test_smollm2_greedy_identical_cached_uncached_dense(smol):
+    prompts = [_chat(smol.tokenizer, u) for u in USERS]
+    n = 16
+    dense = [dense_generate(smol.params, smol.config, p, n, eos_token_ids=()) for p in prompts]
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for mode, prefix in (("explicit", 64), ("auto", None), ("off", None)):
+        llm = LLM(smol, enable_prefix_caching=mode != "off", num_kv_blocks=64)
+        llm.generate(prompts[:1], sp, prefix_pos=prefix, use_tqdm=False)  # fill the cache
+        outs = llm.generate(prompts, sp, prefix_pos=prefix, use_tqdm=False)
+        assert [o.token_ids for o in outs] == dense, mode
+        if mode != "off":
+            assert all(o.num_cached_tokens >= 64 for o in outs)
+        assert outs[0].text == smol.tokenizer.decode(dense[0], skip_special_tokens=True)
+
+
+def test_smollm2_string_prompts_and_stop_strings(smol):
+    llm = LLM(smol, num_kv_blocks=64)
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert out.prompt == "The capital of France is" and out.text
+    word = out.text.split()[1] if len(out.text.split()) > 1 else out.text.split()[0]
+    cut = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0, max_tokens=24, stop=[word]),
+                       use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and word not in cut.text
+    assert out.text.startswith(cut.text)
+
+
+def test_cli_generate_prints_outputs_and_cache_table(capsys):
+    assert cli_main(["generate", "--prompt", "Hi!", "--prompt", "Name a colour.",
+                     "--max-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "### Hi!" in printed and "### Name a colour." in printed
+    assert "served from prefix cache" in printed and "hit rate" in printed
+    served = int(next(ln for ln in printed.splitlines() if "served from" in ln).split()[-1])
+    assert served > 0  # the second prompt reused the system prompt's blocks
