@@ -1,0 +1,93 @@
+"""One engine step in isolation: decode at several batch sizes against its floor.
+
+Runs the jitted step on fake sequences (random tokens, shuffled block tables, context
+`--context` each) and reports ms per step next to the memory floor (weights + the K/V
+the step reads, at the copy bandwidth), plus the in-place check of the KV cache.
+
+    PYTHONPATH=$PWD python scripts/bench_step.py --model llama-2-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from types import SimpleNamespace
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jprefix import LLM, load  # noqa: E402
+from jprefix.memcheck import step_memory_report  # noqa: E402
+
+COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200
+
+
+def fake_decode_batch(batch: int, context: int, block_size: int, num_blocks: int, rng):
+    greedy = SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0)
+    per_seq = -(-context // block_size)
+    ids = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq].reshape(batch, per_seq)
+    scheduled = []
+    for b in range(batch):
+        seq = SimpleNamespace(all_token_ids=rng.integers(10, 1000, context).tolist(),
+                              block_table=ids[b].tolist(), sampling_params=greedy, seed=b,
+                              output_token_ids=[])
+        scheduled.append(SimpleNamespace(seq=seq, start=context - 1, num_new_tokens=1))
+    return scheduled
+
+
+def time_step(runner, scheduled, reps: int) -> float:
+    for _ in range(3):
+        runner.execute(scheduled)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        runner.execute(scheduled)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--context", type=int, default=700)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    model = load(args.model, dtype="bfloat16", load_format="dummy")
+    llm = LLM(model, gpu_memory_utilization=0.85)
+    runner = llm.engine.runner
+    cfg = model.config
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batch:
+        sched = fake_decode_batch(b, args.context, runner.block_size,
+                                  runner.kv_cache[0].shape[2], rng)
+        ms = time_step(runner, sched, args.reps)
+        floor = (weight_bytes + b * args.context * kv_per_token) / COPY_BW * 1e3
+        rows.append(dict(batch=b, context=args.context, step_ms=ms, floor_ms=floor,
+                         host_pack_ms=runner.last_timing[0] * 1e3))
+        print(rows[-1], flush=True)
+    mem = step_memory_report(runner)
+    print(f"\n{args.model} decode step, backend {runner.backend}, jax {jax.__version__}, "
+          f"{jax.devices()[0].device_kind}")
+    print(f"KV cache {mem['kv_bytes'] / 1e9:.1f} GB, aliased {mem['alias_bytes'] / 1e9:.1f} GB, "
+          f"step temp {mem['temp_bytes'] / 1e9:.2f} GB")
+    for r in rows:
+        print(f"batch {r['batch']:4d} ctx {r['context']}: {r['step_ms']:7.2f} ms "
+              f"(floor {r['floor_ms']:.2f} ms, {r['floor_ms'] / r['step_ms']:.0%} of roofline)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(rows=rows, memory=mem), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
