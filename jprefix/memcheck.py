@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jprefix.batch import BucketConfig, pack_step
+from jprefix.batch import pack_step
 from jprefix.runner import ModelRunner, step
 
 
