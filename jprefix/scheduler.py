@@ -12,60 +12,13 @@ the most recently arrived running sequence is preempted by recompute.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from jprefix.block_manager import BlockManager
 from jprefix.config import SchedulerConfig
+from jprefix.policies import POLICIES, FCFSPolicy, Policy, make_policy  # noqa: F401 (re-exported)
 from jprefix.prefix_cache import PrefixPool
 from jprefix.sequence import Sequence, SequenceStatus
-
-
-class Policy:
-    """The waiting queue; a policy decides its order. O(1) per operation here."""
-
-    def __init__(self) -> None:
-        self._queue: OrderedDict[str, Sequence] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._queue
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._queue.values())
-
-    def add(self, seq: Sequence) -> None:
-        """A new request."""
-        self._queue[seq.request_id] = seq
-
-    def prepend(self, seq: Sequence) -> None:
-        """A preempted request: it goes first."""
-        self.add(seq)
-        self._queue.move_to_end(seq.request_id, last=False)
-
-    def peek(self) -> Sequence | None:
-        """The next request to admit, or None."""
-        return next(iter(self._queue.values()), None)
-
-    def remove(self, request_id: str) -> Sequence | None:
-        return self._queue.pop(request_id, None)
-
-
-class FCFSPolicy(Policy):
-    """First come, first served (preempted requests first)."""
-
-
-POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy}
-
-
-def make_policy(name: str, prefix_pool: PrefixPool) -> Policy:
-    """The waiting-queue policy by name; prefix-aware policies will read prefix_pool."""
-    if name not in POLICIES:
-        raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
-    return POLICIES[name]()
 
 
 @dataclass(frozen=True)
@@ -173,6 +126,7 @@ class Scheduler:
         return fit
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.begin_round()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None:

