@@ -1,0 +1,159 @@
+"""Static model configuration: a frozen, hashable dataclass usable as a jit static argument."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ARCHS = ("llama", "mistral", "qwen2")
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder (E hidden, F mlp, H/K heads, D head dim)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None, or sorted (key, value) items of HF's rope_scaling dict, e.g. (("factor", 8.0),
+    # ..., ("rope_type", "llama3")): a tuple so the config stays hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown architecture {self.arch!r}; supported: {ARCHS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build a config from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+        arch = _hf_arch(hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+        if hf.get("mlp_bias", False):
+            raise ValueError("unsupported mlp_bias=True")
+        heads = hf["num_attention_heads"]
+        theta, scaling = _hf_rope(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            arch=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+from_hf_config = ModelConfig.from_hf_config
+
+
+def _hf_arch(hf: dict[str, Any]) -> str:
+    for name in hf.get("architectures") or ():
+        if name not in _HF_ARCHITECTURES:
+            raise ValueError(
+                f"unknown architecture {name!r}; supported: {sorted(_HF_ARCHITECTURES)}"
+            )
+    model_type = hf.get("model_type")
+    if model_type not in ARCHS:
+        raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHS}")
+    return model_type
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling items) from `rope_parameters` (v5) or `rope_scaling` (v4)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = _check_rope_type(params.pop("rope_type", params.pop("type", "default")))
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, tuple(sorted(params.items()))
+
+
+def _check_rope_type(rope_type: str) -> str:
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+    return rope_type
+
+
+def _llama3_scaling(factor: float, original: int) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted({
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": original,
+    }.items()))
+
+
+def _tiny(arch: str, **kw: Any) -> ModelConfig:
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    return ModelConfig(arch=arch, **{**shape, **kw})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama-2-7b": ModelConfig("llama", 32000, 4096, 11008, 32, 32, 32, 128),
+    "llama-2-13b": ModelConfig("llama", 32000, 5120, 13824, 40, 40, 40, 128),
+    "llama-2-70b": ModelConfig("llama", 32000, 8192, 28672, 80, 64, 8, 128),
+    "llama-3-8b": ModelConfig(
+        "llama", 128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0,
+        max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "llama-3.1-8b": ModelConfig(
+        "llama", 128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(8.0, 8192), max_position_embeddings=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+    "mistral-7b": ModelConfig("mistral", 32000, 4096, 14336, 32, 32, 8, 128,
+                              max_position_embeddings=32768),
+    "qwen2-7b": ModelConfig(
+        "qwen2", 152064, 3584, 18944, 28, 28, 4, 128, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=32768, attention_bias=True, bos_token_id=151643,
+        eos_token_ids=(151643, 151645)),
+    "smollm2-135m": ModelConfig(
+        "llama", 49152, 576, 1536, 30, 9, 3, 64, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny-llama": _tiny("llama"),
+    "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 64)),
+    "tiny-mistral": _tiny("mistral", rope_theta=1e6),
+    "tiny-qwen2": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True),
+    "tiny-smollm2": _tiny("llama", hidden_size=96, num_heads=6, num_kv_heads=2,
+                          tie_word_embeddings=True, rope_theta=100000.0),
+}

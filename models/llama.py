@@ -1,0 +1,285 @@
+"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2) over a params pytree.
+
+Shape letters: T tokens, S sequences, L layers, H query heads, K kv heads, G = H // K,
+D head dim, E hidden, F mlp hidden, V vocab. Query head h uses kv head h // G.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+
+# attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
+#   -> (out [...,H,D], cache)
+AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+    """Per-layer weights, each stacked on a leading L axis; linears stored [in, out]."""
+
+    attn_norm: jax.Array  # [L, E]
+    wq: jax.Array  # [L, E, H*D]
+    wk: jax.Array  # [L, E, K*D]
+    wv: jax.Array  # [L, E, K*D]
+    bq: jax.Array | None  # [L, H*D]
+    bk: jax.Array | None  # [L, K*D]
+    bv: jax.Array | None  # [L, K*D]
+    wo: jax.Array  # [L, H*D, E]
+    mlp_norm: jax.Array  # [L, E]
+    w_gate: jax.Array  # [L, E, F]
+    w_up: jax.Array  # [L, E, F]
+    w_down: jax.Array  # [L, F, E]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+    embed: jax.Array  # [V, E]
+    layers: LayerParams
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None  # [E, V]; None when tied to embed
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """A Params pytree of shape tuples (leading L axis on layer fields)."""
+    e, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bias = cfg.attention_bias
+    layers = LayerParams(
+        attn_norm=(n, e), wq=(n, e, hd), wk=(n, e, kd), wv=(n, e, kd),
+        bq=(n, hd) if bias else None, bk=(n, kd) if bias else None,
+        bv=(n, kd) if bias else None, wo=(n, hd, e), mlp_norm=(n, e),
+        w_gate=(n, e, f), w_up=(n, e, f), w_down=(n, f, e))
+    lm_head = None if cfg.tie_word_embeddings else (e, v)
+    return Params(embed=(v, e), layers=layers, final_norm=(e,), lm_head=lm_head)
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def param_partition_specs(cfg: ModelConfig, axis: str = "tp") -> Params:
+    """PartitionSpecs for tensor parallelism over mesh axis `axis` (Megatron-style).
+
+    Q/K/V and gate/up are split by output (heads / F), wo and w_down by input; norms are
+    replicated; embed and lm_head are split on the hidden / vocab axis.
+    """
+    col, row, rep = P(None, None, axis), P(None, axis, None), P()
+    bias = P(None, axis) if cfg.attention_bias else None
+    layers = LayerParams(
+        attn_norm=rep, wq=col, wk=col, wv=col, bq=bias, bk=bias, bv=bias, wo=row,
+        mlp_norm=rep, w_gate=col, w_up=col, w_down=row)
+    lm_head = None if cfg.tie_word_embeddings else P(None, axis)
+    return Params(embed=P(None, axis), layers=layers, final_norm=rep, lm_head=lm_head)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> Params:
+    """Random weights (normal, std 0.02; norms 1).
+
+    jit it with cfg and dtype static (and out_shardings) to create the weights on device.
+    """
+    shapes, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)
+    keys = jax.random.split(key, len(shapes))
+
+    def make(path: Any, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    leaves = [make(path, shape, k) for (path, shape), k in zip(shapes, keys, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back, then scaled (HF order)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """[D/2] float32 inverse frequencies, with llama3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    sc = cfg.rope_scaling_dict
+    kind = sc.get("rope_type", "default")
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind != "llama3":
+        return inv
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old_len = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [..., N, D] rotated at positions [...] in HF's rotate_half layout (fp32 math)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    q, k, v = h @ lp.wq, h @ lp.wk, h @ lp.wv
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    lead, d = h.shape[:-1], cfg.head_dim
+    return (q.reshape(*lead, cfg.num_heads, d), k.reshape(*lead, cfg.num_kv_heads, d),
+            v.reshape(*lead, cfg.num_kv_heads, d))
+
+
+def _mlp(h: jax.Array, lp: LayerParams) -> jax.Array:
+    return (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+
+
+def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
+            cache: Any, attn_fn: AttnFn) -> tuple[jax.Array, Any]:
+    """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
+
+    Layers run under lax.scan with `cache` in the carry; attention (and any KV cache write)
+    is delegated to `attn_fn(q, k, v, cache, layer)`.
+    """
+    x = params.embed[token_ids]
+    inv_freq = rope_inv_freq(cfg)
+
+    def layer_step(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array]):
+        x, cache = carry
+        lp, layer = xs
+        q, k, v = _qkv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp, cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = attn_fn(q, k, v, cache, layer)
+        x = x + out.astype(x.dtype).reshape(*x.shape[:-1], -1) @ lp.wo
+        x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
+        return (x, cache), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (params.layers, layer_ids))
+    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """hidden [..., E] -> logits [..., V] in float32 (tied embeddings when lm_head is None)."""
+    if params.lm_head is None:
+        return jnp.einsum("...e,ve->...v", hidden, params.embed,
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,ev->...v", hidden, params.lm_head,
+                      preferred_element_type=jnp.float32)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                     kv_pos: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
+    """Plain attention: q [S,T,H,D], k/v [S,U,K,D]; row t sees keys with kv_pos <= q_pos[t].
+
+    q_pos [T], kv_pos [U], kv_valid optional [U] bool; returns [S,T,H,D] in q.dtype.
+    """
+    s, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(s, t, kh, h // kh, d)
+    scores = jnp.einsum("stkgd,sukd->skgtu", qg, k, preferred_element_type=jnp.float32)
+    mask = kv_pos[None, :] <= q_pos[:, None]  # [T, U]
+    if kv_valid is not None:
+        mask = mask & kv_valid[None, :]
+    scores = jnp.where(mask, scores / math.sqrt(d), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("skgtu,sukd->stkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(s, t, h, d).astype(q.dtype)
+
+
+def dense_forward(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Reference forward without a cache: token_ids [S, T] -> float32 logits [S, T, V]."""
+    pos = jnp.arange(token_ids.shape[1], dtype=jnp.int32)
+
+    def attn(q, k, v, cache, layer):
+        return causal_attention(q, k, v, pos, pos), cache
+
+    positions = jnp.broadcast_to(pos, token_ids.shape)
+    hidden, _ = forward(params, cfg, token_ids, positions, None, attn)
+    return compute_logits(params, cfg, hidden)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseKVCache:
+    """Contiguous per-sequence KV cache; every sequence holds `length` tokens."""
+
+    k: jax.Array  # [L, S, M, K, D]
+    v: jax.Array  # [L, S, M, K, D]
+    length: jax.Array  # int32 scalar: tokens already cached
+
+
+def init_dense_cache(cfg: ModelConfig, num_seqs: int, max_len: int, dtype: Any) -> DenseKVCache:
+    shape = (cfg.num_layers, num_seqs, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return DenseKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.int32(0))
+
+
+def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCache,
+                     layer: jax.Array) -> tuple[jax.Array, DenseKVCache]:
+    """attn_fn over a DenseKVCache: writes k/v [S,T,K,D] at cache.length, attends causally.
+
+    The caller advances `cache.length` by T after the forward (all layers write the same slots).
+    """
+    start = cache.length
+    idx = (layer, 0, start, 0, 0)
+    kc = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), idx)
+    vc = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), idx)
+    max_len = kc.shape[2]
+    kv_pos = jnp.arange(max_len, dtype=jnp.int32)
+    q_pos = start + jnp.arange(q.shape[1], dtype=jnp.int32)
+    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos)
+    return out, DenseKVCache(kc, vc, cache.length)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _dense_step(params: Params, cfg: ModelConfig, token_ids: jax.Array,
+                cache: DenseKVCache) -> tuple[jax.Array, DenseKVCache]:
+    """token_ids [S, T] appended after cache.length -> (greedy next ids [S], cache)."""
+    t = token_ids.shape[1]
+    positions = cache.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), token_ids.shape)
+    hidden, cache = forward(params, cfg, token_ids, positions, cache, dense_cache_attn)
+    logits = compute_logits(params, cfg, hidden[:, -1])
+    cache = DenseKVCache(cache.k, cache.v, cache.length + t)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+def dense_generate(params: Params, cfg: ModelConfig, prompt_ids: list[int],
+                   max_new_tokens: int, eos_token_ids: tuple[int, ...] | None = None,
+                   ) -> list[int]:
+    """Greedy generation with a contiguous KV cache (the model reference).
+
+    Stops after an id in `eos_token_ids` (default cfg.eos_token_ids; pass () to never stop),
+    which is included in the output.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must be non-empty")
+    eos = set(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    max_len = -(-(len(prompt_ids) + max_new_tokens) // 64) * 64
+    cache = init_dense_cache(cfg, 1, max_len, params.embed.dtype)
+    tokens = jnp.asarray([prompt_ids], dtype=jnp.int32)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        next_ids, cache = _dense_step(params, cfg, tokens, cache)
+        out.append(int(next_ids[0]))
+        if out[-1] in eos:
+            break
+        tokens = next_ids[:, None]
+    return out

@@ -1,0 +1,135 @@
+"""Hugging Face checkpoint directories: config.json + *.safetensors (single or sharded).
+
+The safetensors format is read directly (8-byte header length, JSON header, raw data) through a
+read-only memory map, so tensors are paged in one at a time and truncation is detected from
+the header's offsets before any tensor is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jax import numpy as jnp
+
+from models.config import ModelConfig
+from models.llama import Params
+from models.weights import build_params
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+              "lm_head": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+def hf_tensor_name(field: str, layer: int | None) -> str:
+    """The HF state-dict name of a Params field (at `layer` for per-layer fields)."""
+    if layer is None:
+        return _TOP_NAMES[field]
+    return f"model.layers.{layer}.{_LAYER_NAMES[field]}"
+
+
+class SafetensorsFile:
+    """One .safetensors file: parsed header and a lazily opened memory map."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                raise ValueError(f"{path}: truncated safetensors file: header claims {n} bytes "
+                                 f"but the file has {size}")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        self.tensors: dict[str, dict[str, Any]] = header
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+        if self.data_start + end > size:
+            raise ValueError(f"{path}: truncated safetensors file: tensor data needs "
+                             f"{self.data_start + end} bytes but the file has {size}")
+        self._map: np.memmap | None = None
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = info["data_offsets"]
+        raw = self._map[self.data_start + begin:self.data_start + end]
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face checkpoint)")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+    try:
+        return ModelConfig.from_hf_config(raw)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _shard_paths(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [directory / name for name in names]
+        for p in paths:
+            if not p.is_file():
+                raise FileNotFoundError(f"{index}: lists shard {p.name}, which is missing")
+        return paths
+    paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    return paths
+
+
+def open_tensors(directory: Path) -> dict[str, SafetensorsFile]:
+    """Map every tensor name in the checkpoint to the file holding it."""
+    where: dict[str, SafetensorsFile] = {}
+    for path in _shard_paths(directory):
+        shard = SafetensorsFile(path)
+        where.update(dict.fromkeys(shard.tensors, shard))
+    return where
+
+
+def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = None,
+                       ) -> tuple[Params, ModelConfig]:
+    """Read a HF checkpoint directory into device Params of `dtype`."""
+    cfg = read_hf_config(directory)
+    tensors = open_tensors(directory)
+
+    def get(field: str, layer: int | None) -> tuple[np.ndarray, str]:
+        name = hf_tensor_name(field, layer)
+        if name not in tensors:
+            raise ValueError(f"{directory}: missing tensor {name}")
+        return tensors[name].get(name), f"{tensors[name].path}: tensor {name}"
+
+    return build_params(cfg, get, dtype, shardings), cfg

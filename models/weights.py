@@ -1,0 +1,86 @@
+"""Assemble a Params pytree on device from per-tensor host reads, one field at a time.
+
+Checkpoint readers expose `get(field, layer) -> (array, where)`: the tensor in Hugging Face
+orientation (linears [out, in]) and "<file>: tensor <name>" for error messages. This module
+checks shapes, transposes to our [in, out] layout, converts dtype while stacking layers, and
+moves each field to the device before reading the next, so host memory never holds more
+than one stacked field beyond the file's memory map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from models.llama import LayerParams, Params, param_shapes
+
+# (field name, layer index or None) -> (array in HF orientation, "<file>: tensor <name>")
+TensorGetter = Callable[[str, int | None], tuple[np.ndarray, str]]
+
+# Linears: HF stores [out, in], Params stores [in, out].
+_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+
+
+def hf_shape(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF-orientation shape of one tensor of `field` whose Params shape is `shape`."""
+    return shape[::-1] if field in _TRANSPOSED else shape
+
+
+class ShapeMismatchError(ValueError):
+    pass
+
+
+def _checked(get: TensorGetter, field: str, layer: int | None,
+             shape: tuple[int, ...]) -> np.ndarray:
+    arr, where = get(field, layer)
+    want = hf_shape(field, shape)
+    if tuple(arr.shape) != want:
+        raise ShapeMismatchError(
+            f"{where} ({field}) has shape {tuple(arr.shape)}, but the config expects {want}")
+    return arr.T if field in _TRANSPOSED else arr
+
+
+def _stack_field(get: TensorGetter, field: str, shape: tuple[int, ...],
+                 dtype: np.dtype) -> np.ndarray:
+    out = np.empty(shape, dtype)
+    for layer in range(shape[0]):
+        out[layer] = _checked(get, field, layer, shape[1:])
+    return out
+
+
+def build_params(cfg: ModelConfig, get: TensorGetter, dtype: Any,
+                 shardings: Params | None = None) -> Params:
+    """Read every tensor through `get` into a device-resident Params of `dtype`.
+
+    `shardings` (a Params of jax Shardings, e.g. from param_partition_specs) places each
+    field; default is the default device.
+    """
+    np_dtype = np.dtype(dtype)
+    shapes = param_shapes(cfg)
+
+    def put(value: np.ndarray, sharding: Any) -> jax.Array:
+        return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+
+    def top(field: str) -> jax.Array | None:
+        shape = getattr(shapes, field)
+        if shape is None:
+            return None
+        host = _checked(get, field, None, shape).astype(np_dtype)
+        return put(host, getattr(shardings, field) if shardings is not None else None)
+
+    layer_fields = {}
+    for field in LayerParams.__dataclass_fields__:
+        shape = getattr(shapes.layers, field)
+        if shape is None:
+            layer_fields[field] = None
+            continue
+        host = _stack_field(get, field, shape, np_dtype)
+        sharding = getattr(shardings.layers, field) if shardings is not None else None
+        layer_fields[field] = put(host, sharding)
+        del host
+    return Params(embed=top("embed"), layers=LayerParams(**layer_fields),
+                  final_norm=top("final_norm"), lm_head=top("lm_head"))
