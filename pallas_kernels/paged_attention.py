@@ -1,0 +1,217 @@
+"""Paged attention over a ragged batch: decode, prefill, prefix-cached and chunked prefill.
+
+Sequence s owns query rows `cu_q_lens[s]:cu_q_lens[s+1]` (q_len = their difference);
+query row i of s sits at position `kv_lens[s] - q_len + i` and attends to the cache
+positions `<=` it, found through `block_tables[s]`. Padding sequences have q_len 0 and
+kv_len 0; rows at or beyond `cu_q_lens[S]` are padding and come out as zeros.
+
+Cache layout: `k_cache, v_cache: [L, K, N, B, D]`; the layer is an input so the engine
+passes the whole multi-layer buffer (slicing a layer out would copy it every step).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention_kernel import KernelConfig, run_kernel, tile_metadata
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_INT32 = jnp.dtype(jnp.int32)
+_TARGET_PROGRAMS = 1024  # decode: split the key range until about this many programs
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
+    """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [L, K, N, B, D], got {k_cache.shape} "
+            f"and {v_cache.shape}")
+    t, h, d = q.shape
+    _, k, _, b, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head_dim of q ({d}) != head_dim of k_cache ({dk})")
+    if h % k:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k})")
+    if not (_is_pow2(d) and _is_pow2(b)):
+        raise ValueError(f"head_dim ({d}) and block_size ({b}) must be powers of 2")
+    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype), jnp.dtype(v_cache.dtype)}
+    if len(dtypes) != 1 or jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"q, k_cache, v_cache must share one of bf16/f16/f32, got {q.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}")
+    if block_tables.ndim != 2 or jnp.dtype(block_tables.dtype) != _INT32:
+        raise ValueError(f"block_tables must be int32 [S, M], got {block_tables.dtype}"
+                         f"{list(block_tables.shape)}")
+    s = block_tables.shape[0]
+    if kv_lens.shape != (s,) or jnp.dtype(kv_lens.dtype) != _INT32:
+        raise ValueError(f"kv_lens must be int32 [{s}], got {kv_lens.dtype}{list(kv_lens.shape)}")
+    if cu_q_lens.shape != (s + 1,) or jnp.dtype(cu_q_lens.dtype) != _INT32:
+        raise ValueError(f"cu_q_lens must be int32 [{s + 1}], got "
+                         f"{cu_q_lens.dtype}{list(cu_q_lens.shape)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
+                         f"{list(jnp.shape(layer))}")
+    if t == 0 or s == 0:
+        raise ValueError(f"need at least one token and one sequence, got T={t}, S={s}")
+
+
+def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
+            kv_splits, interpret, prefetch_pages) -> KernelConfig:
+    t, h, d = q.shape
+    _, k, n, b, _ = k_cache.shape
+    g = h // k
+    gp = _next_pow2(g)
+    decode = max_q_len == 1
+    tile_tokens = 1 if decode else max(1, block_q // gp)
+    block_kv = max(block_kv, b)
+    if not (_is_pow2(block_q) and _is_pow2(block_kv)):
+        raise ValueError(f"block_q ({block_q}) and block_kv ({block_kv}) must be powers of 2")
+    if kv_splits is None:  # decode: one tile per token
+        kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k)))) if decode else 1
+    return KernelConfig(
+        num_heads=h, num_kv_heads=k, num_blocks=n, block_size=b, head_dim=d, group=g,
+        group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp),
+        pages_per_step=block_kv // b, kv_splits=kv_splits, scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
+        dump_rows=interpret, prefetch_pages=prefetch_pages,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
+    "num_warps", "num_stages", "prefetch_pages"))
+def paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array,  # int32 scalar
+    block_tables: jax.Array,  # [S, M] int32
+    kv_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    max_q_len: int | None = None,
+    block_q: int = 128,
+    block_kv: int = 64,
+    kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    prefetch_pages: bool = False,
+) -> jax.Array:
+    """Causal attention of a ragged batch against the paged KV cache. Returns [T, H, D].
+
+    `max_q_len` is a static hint: 1 picks the decode tiling (one token per tile, the
+    key range split over `kv_splits` programs, None = enough splits for ~1024 programs);
+    any other value (or None) the prefill tiling (`block_q` rows = tokens x padded query
+    group per tile). Both compute the same function for any input. `block_kv` (keys per
+    inner step), `num_warps`, `num_stages` (None: 3 decode, 4 prefill, 2 float32) and
+    `prefetch_pages` (load the next step's page ids a step early) tune the Triton
+    lowering; the defaults are the best measured on an H200 (docs/PERF.md).
+    """
+    _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
+    cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,
+                  max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
+                  kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages)
+    if num_stages is None:
+        num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
+    num_layers, k, n, b, d = k_cache.shape
+    t, h, _ = q.shape
+    pad = -block_tables.shape[1] % cfg.pages_per_step
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # pad -> null block 0
+    meta = tile_metadata(cu_q_lens, kv_lens, t, cfg.tile_tokens)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = run_kernel(q.reshape(t * h, d), k_cache.reshape(num_layers * k * n, b, d),
+                     v_cache.reshape(num_layers * k * n, b, d), layer, block_tables, meta, cfg,
+                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return out.reshape(t, h, d)
+
+
+def token_positions(cu_q_lens, kv_lens, num_tokens: int):
+    """Per flat token: its sequence, its position, and whether it is a real query row."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = kv_lens.shape[0]
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    valid = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, pos, valid
+
+
+def _reference_chunk(q, pos, valid, tables, k_cache, v_cache, layer, scale, soft_cap):
+    """Attention for C tokens, each against its own sequence's gathered pages."""
+    c, h, d = q.shape
+    _, k, _, b, _ = k_cache.shape
+    m = tables.shape[1]
+    idx = (layer, jnp.arange(k)[None, None, :], tables[:, :, None])
+    keys = k_cache[idx].transpose(0, 2, 1, 3, 4).reshape(c, k, m * b, d)  # [C, K, M*B, D]
+    vals = v_cache[idx].transpose(0, 2, 1, 3, 4).reshape(c, k, m * b, d)
+    qg = q.reshape(c, k, h // k, d)
+    s = jnp.einsum("ckgd,ckjd->ckgj", qg, keys, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    visible = (jnp.arange(m * b)[None, :] <= pos[:, None]) & valid[:, None]  # [C, M*B]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    s_max = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(s_max), s_max, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("ckgj,ckjd->ckgd", p, vals.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(c, h, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "token_chunk"))
+def paged_attention_reference(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array,  # int32 scalar
+    block_tables: jax.Array,  # [S, M] int32
+    kv_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    token_chunk: int | None = None,
+) -> jax.Array:
+    """Plain-jnp paged attention with `paged_attention`'s semantics (also the CPU path).
+
+    Each token gathers its sequence's pages straight from the multi-layer cache (no
+    layer copy) and runs a masked float32 softmax. Tokens go `token_chunk` at a time
+    (default: about 16M gathered elements per chunk) so memory stays bounded.
+    """
+    _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
+    t, h, d = q.shape
+    _, k, _, b, _ = k_cache.shape
+    m = block_tables.shape[1]
+    seq, pos, valid = token_positions(cu_q_lens, kv_lens, t)
+    if token_chunk is None:
+        token_chunk = max(1, (1 << 24) // (m * b * k * d))
+    c = min(t, token_chunk)
+    chunk = functools.partial(_reference_chunk, k_cache=k_cache, v_cache=v_cache,
+                              layer=layer, scale=scale, soft_cap=soft_cap)
+    tables = block_tables[seq]
+    if c == t:
+        return chunk(q, pos, valid, tables)
+    pad = -t % c
+    xs = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, pos, valid, tables)]
+    xs = [x.reshape(-1, c, *x.shape[1:]) for x in xs]
+    out = jax.lax.map(lambda a: chunk(*a), xs)
+    return out.reshape(-1, h, d)[:t]

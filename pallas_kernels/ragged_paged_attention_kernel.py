@@ -1,0 +1,228 @@
+"""The Pallas (Triton backend) kernel behind `paged_attention.paged_attention`.
+
+One program handles one tile of query rows against one KV head (and, optionally, one
+slice of the key range). A tile's rows are `tokens x padded query group`: the G query
+heads that share a KV head sit in the same tile, so each gathered K/V page is loaded
+once for all of them. Decode uses one token per tile (rows = the query group padded to
+16, the smallest `dot`); prefill uses several tokens per tile. Tiles never straddle two
+sequences, so block tables and lengths are read as scalars per tile from a small
+metadata array computed by `tile_metadata` (no scalar prefetch on Triton).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+# Finite start for the running max so that fully masked rows never compute inf - inf.
+_M_INIT = -1e30
+META_FIELDS = 5  # seq, first token, valid tokens, position of first token, kv_len
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static shape and tiling facts of one kernel instantiation."""
+
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    num_blocks: int  # N
+    block_size: int  # B
+    head_dim: int  # D
+    group: int  # G = H // K
+    group_padded: int  # next power of 2 >= G
+    tile_tokens: int  # query tokens per tile
+    tile_rows: int  # rows per tile = max(16, tile_tokens * group_padded)
+    pages_per_step: int  # pages gathered per inner step (block_kv = pages * B)
+    kv_splits: int  # programs splitting one tile's key range
+    scale: float
+    soft_cap: float | None
+    num_rows: int  # T * H: rows of the flattened query / output
+    dump_rows: bool  # masked rows store to private rows past num_rows (interpret mode)
+    prefetch_pages: bool  # load the next step's page ids one step ahead
+
+    @property
+    def block_kv(self) -> int:
+        return self.pages_per_step * self.block_size
+
+
+def num_tiles(num_tokens: int, num_seqs: int, tile_tokens: int) -> int:
+    """Static upper bound on the tiles of a ragged batch (+1 segment for padding rows)."""
+    return (num_tokens + (num_seqs + 1) * (tile_tokens - 1)) // tile_tokens
+
+
+def tile_metadata(cu_q_lens, kv_lens, num_tokens: int, tile_tokens: int):
+    """Per-tile `[seq, first_token, valid_tokens, first_pos, kv_len]`, int32 [NT, 5].
+
+    Rows `cu_q_lens[S]:num_tokens` form an extra segment with kv_len 0 so that padding
+    rows are written (as zeros) like any other. Tiles past the last one are empty.
+    """
+    num_seqs = kv_lens.shape[0]
+    q_lens = jnp.concatenate([cu_q_lens[1:] - cu_q_lens[:-1], num_tokens - cu_q_lens[-1:]])
+    q_lens = jnp.maximum(q_lens, 0)
+    kv = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
+    tiles = (q_lens + tile_tokens - 1) // tile_tokens
+    tile_end = jnp.cumsum(tiles)
+    t = jnp.arange(num_tiles(num_tokens, num_seqs, tile_tokens), dtype=jnp.int32)
+    seg = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    live = seg <= num_seqs
+    seg = jnp.minimum(seg, num_seqs)
+    offset = (t - (tile_end[seg] - tiles[seg])) * tile_tokens
+    valid = jnp.where(live, jnp.clip(q_lens[seg] - offset, 0, tile_tokens), 0)
+    meta = [
+        jnp.minimum(seg, num_seqs - 1),
+        cu_q_lens[seg] + offset,
+        valid,
+        kv[seg] - q_lens[seg] + offset,
+        jnp.where(live, kv[seg], 0),
+    ]
+    return jnp.stack(meta, axis=1).astype(jnp.int32)
+
+
+def _logits(q, k, cfg: KernelConfig):
+    """Scaled (and soft-capped) logits in log2 units, float32 [R, block_kv]."""
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = plgpu.dot(q, k, trans_b=True, precision=precision)
+    if cfg.soft_cap is None:
+        return s * (cfg.scale * LOG2E)
+    return jnp.tanh(s * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
+
+
+def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg, masked):
+    """One online-softmax step over `block_kv` keys gathered from `pages_per_step` pages.
+
+    With `prefetch_pages` the carry holds this step's page ids, loaded one step ahead so
+    that the K/V gather does not wait on the block-table load.
+    """
+    o, m, denom, pages = carry
+    if cfg.prefetch_pages:
+        nxt = _load_pages(bt_ref, seq, jnp.minimum(j + 1, bt_ref.shape[1] // cfg.pages_per_step
+                                                   - 1), cfg)
+    else:
+        pages = nxt = _load_pages(bt_ref, seq, j, cfg)
+    rows = page_base + pages
+    k = k_ref[rows].reshape(cfg.block_kv, cfg.head_dim)  # [block_kv, D]
+    v = v_ref[rows].reshape(cfg.block_kv, cfg.head_dim)
+    x = _logits(q, k, cfg)
+    if masked:
+        key_pos = j * cfg.block_kv + jnp.arange(cfg.block_kv, dtype=jnp.int32)
+        visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
+        x = jnp.where(visible, x, -jnp.inf)
+    m_new = jnp.maximum(m, x.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(x - m_new[:, None])
+    precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else None
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return o * alpha[:, None] + pv, m_new, denom * alpha + p.sum(axis=1), nxt
+
+
+def _load_pages(bt_ref, seq, j, cfg):
+    return bt_ref[seq, pl.ds(j * cfg.pages_per_step, cfg.pages_per_step)]  # [P]
+
+
+def ragged_paged_attention_kernel(
+    meta_ref,  # [NT, 5] int32 (tile_metadata)
+    bt_ref,  # [S, Mp] int32 block tables, Mp a multiple of pages_per_step
+    layer_ref,  # [1] int32
+    q_ref,  # [T*H, D]
+    k_ref,  # [L*K*N, B, D]
+    v_ref,  # [L*K*N, B, D]
+    o_ref,  # [T*H(+R), D] out dtype, or [splits*(T*H(+R)), D] float32 partials
+    *stat_refs,  # with kv_splits > 1: m, l partials [splits*(T*H(+R))] float32
+    cfg: KernelConfig,
+):
+    tile, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq, tok0, valid = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
+    first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
+
+    r = jnp.arange(cfg.tile_rows, dtype=jnp.int32)
+    tok, g = r // cfg.group_padded, r % cfg.group_padded
+    row_ok = (tok < valid) & (g < cfg.group)
+    row = (tok0 + tok) * cfg.num_heads + kvh * cfg.group + g
+    row = jnp.clip(row, 0, cfg.num_rows - 1)
+    cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
+    q = q_ref[row[:, None], cols[None, :]]  # [R, D]; rows not ok hold some other row
+    pos = first_pos + tok  # [R]
+
+    # Keys this tile needs: [0, kv_hi). Keys < kv_full are visible to every row.
+    kv_hi = jnp.clip(first_pos + valid, 0, kv_len)
+    kv_full = jnp.clip(first_pos + 1, 0, kv_len)
+    max_steps = bt_ref.shape[1] // cfg.pages_per_step
+    n_steps = jnp.minimum(pl.cdiv(kv_hi, cfg.block_kv), max_steps)
+    n_full = jnp.minimum(kv_full // cfg.block_kv, n_steps)
+    per_split = pl.cdiv(n_steps, cfg.kv_splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_steps)
+
+    page_base = (layer_ref[0] * cfg.num_kv_heads + kvh) * cfg.num_blocks
+    step = functools.partial(
+        _step, q=q, pos=pos, kv_len=kv_len, seq=seq, page_base=page_base,
+        bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg,
+    )
+    carry = (
+        jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
+        jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),
+        jnp.zeros((cfg.tile_rows,), jnp.float32),
+        _load_pages(bt_ref, seq, jnp.minimum(lo, max_steps - 1), cfg),
+    )
+    mid = jnp.clip(n_full, lo, hi)
+    carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
+    o, m, denom, _ = lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
+
+    if cfg.dump_rows:  # unique rows for masked lanes: interpret stores are scatters
+        row = jnp.where(row_ok, row, cfg.num_rows + r)
+    rows_per_split = cfg.num_rows + (cfg.tile_rows if cfg.dump_rows else 0)
+    if cfg.kv_splits == 1:
+        out = o / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+        plgpu.store(o_ref.at[row[:, None], cols[None, :]], out.astype(o_ref.dtype),
+                    mask=row_ok[:, None])
+        return
+    prow = split * rows_per_split + row
+    plgpu.store(o_ref.at[prow[:, None], cols[None, :]], o, mask=row_ok[:, None])
+    m_ref, denom_ref = stat_refs
+    plgpu.store(m_ref.at[prow], m, mask=row_ok)
+    plgpu.store(denom_ref.at[prow], denom, mask=row_ok)
+
+
+def combine_splits(o, m, denom, num_rows: int, dtype):
+    """Merges per-split partials [splits, rows, D] / [splits, rows] into [num_rows, D]."""
+    o, m, denom = o[:, :num_rows], m[:, :num_rows], denom[:, :num_rows]
+    w = jnp.exp2(m - m.max(axis=0)[None])
+    total = (denom * w).sum(axis=0)
+    out = (o * w[..., None]).sum(axis=0) / jnp.where(total == 0.0, 1.0, total)[:, None]
+    return out.astype(dtype)
+
+
+def run_kernel(q2, k3, v3, layer, block_tables, meta, cfg: KernelConfig, *,
+               num_warps: int, num_stages: int, interpret: bool):
+    """Launches the kernel; q2 is [T*H, D], k3/v3 are [L*K*N, B, D]. Returns [T*H, D]."""
+    rows = cfg.num_rows + (cfg.tile_rows if cfg.dump_rows else 0)
+    d = cfg.head_dim
+    if cfg.kv_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, d), q2.dtype)]
+    else:
+        n = cfg.kv_splits * rows
+        out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32),
+                     jax.ShapeDtypeStruct((n,), jnp.float32),
+                     jax.ShapeDtypeStruct((n,), jnp.float32)]
+    outs = pl.pallas_call(
+        functools.partial(ragged_paged_attention_kernel, cfg=cfg),
+        grid=(meta.shape[0], cfg.num_kv_heads, cfg.kv_splits),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}",
+    )(meta, block_tables, layer, q2, k3, v3)
+    if cfg.kv_splits == 1:
+        return outs[0][: cfg.num_rows]
+    o, m, denom = outs
+    s = cfg.kv_splits
+    return combine_splits(o.reshape(s, rows, d), m.reshape(s, rows), denom.reshape(s, rows),
+                          cfg.num_rows, q2.dtype)

@@ -1,0 +1,203 @@
+"""paged_attention (Pallas, interpret mode) == paged_attention_reference == dense numpy.
+
+Interpret mode starts every output buffer as NaN, so "no NaN anywhere" is the check that
+every row was written; padding rows must be exact zeros. On a GPU backend the same tests
+run the compiled Triton kernel instead.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+INTERPRET = jax.default_backend() == "cpu"
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # relative L2 error vs the reference
+
+
+def make_batch(rng, seqs, *, heads=4, kv_heads=2, head_dim=64, block_size=8, layers=2,
+               extra_rows=3, extra_blocks=3, dtype=jnp.float32):
+    """Random ragged batch. seqs: (q_len, kv_len) per sequence ((0, 0) = padding seq)."""
+    blocks_per_seq = [-(-kv // block_size) for _, kv in seqs]
+    num_blocks = 1 + sum(blocks_per_seq) + extra_blocks
+    max_blocks = max(blocks_per_seq) + 1
+    physical = rng.permutation(np.arange(1, num_blocks))  # shuffled, block 0 = null
+    tables = np.zeros((len(seqs), max_blocks), np.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = physical[used:used + n]
+        used += n
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
+    t = int(cu[-1]) + extra_rows
+    shape = (layers, kv_heads, num_blocks, block_size, head_dim)
+    return dict(
+        q=jnp.asarray(rng.standard_normal((t, heads, head_dim)), dtype),
+        k_cache=jnp.asarray(rng.standard_normal(shape), dtype),
+        v_cache=jnp.asarray(rng.standard_normal(shape), dtype),
+        layer=jnp.int32(layers - 1),
+        block_tables=jnp.asarray(tables),
+        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        cu_q_lens=jnp.asarray(cu),
+    )
+
+
+def dense_numpy(batch, scale, soft_cap=None):
+    """Independent check: per sequence, gather K/V and run dense causal attention (f64)."""
+    q = np.asarray(batch["q"], np.float64)
+    kc = np.asarray(batch["k_cache"], np.float64)[int(batch["layer"])]
+    vc = np.asarray(batch["v_cache"], np.float64)[int(batch["layer"])]
+    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
+    out = np.zeros_like(q)
+    group = q.shape[1] // kc.shape[0]
+    for s, kv_len in enumerate(kv_lens):
+        q_len = cu[s + 1] - cu[s]
+        if q_len == 0:
+            continue
+        pages = np.asarray(batch["block_tables"])[s]
+        keys = kc[:, pages].reshape(kc.shape[0], -1, kc.shape[-1])[:, :kv_len]  # [K, kv, D]
+        vals = vc[:, pages].reshape(vc.shape[0], -1, vc.shape[-1])[:, :kv_len]
+        keys, vals = np.repeat(keys, group, axis=0), np.repeat(vals, group, axis=0)
+        qs = q[cu[s]:cu[s + 1]].transpose(1, 0, 2)  # [H, q_len, D]
+        logits = qs @ keys.transpose(0, 2, 1) * scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        pos = kv_len - q_len + np.arange(q_len)
+        logits = np.where(np.arange(kv_len)[None, :] <= pos[:, None], logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        out[cu[s]:cu[s + 1]] = (p / p.sum(-1, keepdims=True) @ vals).transpose(1, 0, 2)
+    return out
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def check_kernel(batch, *, scale=0.3, soft_cap=None, **knobs):
+    dtype = batch["q"].dtype
+    ref = paged_attention_reference(**batch, scale=scale, soft_cap=soft_cap)
+    out = paged_attention(**batch, scale=scale, soft_cap=soft_cap, interpret=INTERPRET,
+                          **knobs)
+    assert out.shape == batch["q"].shape and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any(), "some output rows were never written"
+    n = int(batch["cu_q_lens"][-1])
+    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
+    assert rel_err(out[:n], ref[:n]) < TOL[dtype.type]
+
+
+MIXED = [(1, 37), (7, 7), (0, 0), (12, 30), (1, 1), (5, 40)]
+
+
+# -- reference against dense attention ------------------------------------------------
+
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+@pytest.mark.parametrize("seqs", [MIXED, [(1, 9), (1, 16), (1, 3)], [(20, 20)]])
+def test_reference_matches_dense_attention(seqs, soft_cap):
+    rng = np.random.default_rng(len(seqs) + int(soft_cap or 0))
+    batch = make_batch(rng, seqs, heads=6, kv_heads=2)
+    ref = paged_attention_reference(**batch, scale=0.3, soft_cap=soft_cap)
+    assert rel_err(ref, dense_numpy(batch, 0.3, soft_cap)) < 1e-5
+
+
+def test_reference_token_chunks_agree():
+    batch = make_batch(np.random.default_rng(1), MIXED)
+    whole = paged_attention_reference(**batch, scale=0.3)
+    chunked = paged_attention_reference(**batch, scale=0.3, token_chunk=4)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+# -- kernel against the reference ------------------------------------------------------
+
+@pytest.mark.parametrize("max_q_len", [None, 1])
+@pytest.mark.parametrize("case", [
+    [(1, 37), (1, 1), (1, 8), (1, 9), (0, 0)],  # decode, one-token prompt, block edges
+    [(6, 6), (1, 1), (13, 13)],  # plain prefill incl. a one-token prompt
+    [(6, 30), (2, 17), (13, 14), (4, 18)],  # prefix cached: part, most, almost all
+    MIXED,  # mixed decode + prefill + padding sequence + padding rows
+])
+def test_kernel_matches_reference_ragged_batches(case, max_q_len):
+    check_kernel(make_batch(np.random.default_rng(len(case)), case), max_q_len=max_q_len,
+                 block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_random_ragged_batches(seed):
+    # Small key steps (one 8-token page) put causal and length edges at every offset.
+    rng = np.random.default_rng(1000 + seed)
+    kv = rng.integers(1, 60, size=7)
+    seqs = [(int(rng.integers(1, k + 1)), int(k)) for k in kv] + [(0, 0)]
+    check_kernel(make_batch(rng, seqs), block_q=16, block_kv=8)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1), (16, 2)])
+def test_kernel_gqa_ratios(heads, kv_heads):
+    batch = make_batch(np.random.default_rng(heads), MIXED, heads=heads, kv_heads=kv_heads)
+    check_kernel(batch, block_q=32)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8), (128, 32), (64, 32)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_head_dims_block_sizes_dtypes(head_dim, block_size, dtype):
+    rng = np.random.default_rng(head_dim + block_size)
+    batch = make_batch(rng, [(3, 50), (1, 33), (9, 9)], head_dim=head_dim,
+                       block_size=block_size, dtype=dtype)
+    check_kernel(batch, block_q=16, block_kv=2 * block_size)
+
+
+@pytest.mark.parametrize("max_q_len,kv_splits", [(1, 2), (1, 4), (None, 3)])
+def test_kernel_split_key_range(max_q_len, kv_splits):
+    seqs = [(1, 70), (1, 5), (0, 0), (1, 16)] if max_q_len == 1 else MIXED
+    batch = make_batch(np.random.default_rng(kv_splits), seqs)
+    check_kernel(batch, max_q_len=max_q_len, kv_splits=kv_splits, block_kv=8)
+
+
+@pytest.mark.parametrize("max_q_len", [None, 1])
+def test_kernel_prefetch_pages(max_q_len):
+    batch = make_batch(np.random.default_rng(11), MIXED + [(1, 64)])
+    check_kernel(batch, max_q_len=max_q_len, prefetch_pages=True, block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_soft_cap(dtype):
+    batch = make_batch(np.random.default_rng(7), MIXED, dtype=dtype)
+    check_kernel(batch, soft_cap=2.0, block_q=16)
+
+
+def test_kernel_decode_hint_is_only_a_hint():
+    # max_q_len=1 with prefill rows still computes the same function.
+    check_kernel(make_batch(np.random.default_rng(3), MIXED), max_q_len=1)
+
+
+def test_kernel_fresh_inputs_each_call():
+    orders = itertools.islice(itertools.permutations([(1, 20), (4, 11), (2, 2)]), 3)
+    for seed, seqs in enumerate(orders):
+        check_kernel(make_batch(np.random.default_rng(100 + seed), list(seqs)), block_q=16)
+
+
+# -- validation ------------------------------------------------------------------------
+
+BAD_INPUTS = {
+    "q_rank": lambda b: {"q": b["q"][0]},
+    "head_dim": lambda b: {"q": jnp.zeros((5, 4, 32), jnp.float32)},
+    "heads_not_multiple": lambda b: {"q": jnp.zeros((5, 3, 64), jnp.float32)},
+    "v_cache_shape": lambda b: {"v_cache": b["v_cache"][:, :1]},
+    "dtype_mismatch": lambda b: {"q": b["q"].astype(jnp.bfloat16)},
+    "block_tables_rank": lambda b: {"block_tables": b["block_tables"][0]},
+    "kv_lens_shape": lambda b: {"kv_lens": jnp.zeros((2,), jnp.int32)},
+    "cu_q_lens_dtype": lambda b: {"cu_q_lens": b["cu_q_lens"].astype(jnp.float32)},
+    "layer_not_scalar": lambda b: {"layer": jnp.zeros((2,), jnp.int32)},
+    "block_size_not_pow2": lambda b: {"k_cache": b["k_cache"][:, :, :, :6],
+                                      "v_cache": b["v_cache"][:, :, :, :6]},
+}
+
+
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_reference])
+@pytest.mark.parametrize("bad", sorted(BAD_INPUTS))
+def test_invalid_inputs_raise_value_error(fn, bad):
+    batch = make_batch(np.random.default_rng(0), [(2, 5)])
+    with pytest.raises(ValueError):
+        fn(**{**batch, **BAD_INPUTS[bad](batch)}, scale=1.0)
