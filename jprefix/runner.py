@@ -34,21 +34,28 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _attention(backend: str, q, k_cache, v_cache, layer, batch, scale):
+def _attention(backend: str, decode: bool, q, k_cache, v_cache, layer, batch, scale):
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
         return paged_attention_reference(*args, scale=scale)
-    return paged_attention(*args, scale=scale, interpret=backend == "pallas-interpret")
+    return paged_attention(*args, scale=scale, interpret=backend == "pallas-interpret",
+                           max_q_len=1 if decode else None)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv_cache",))
-def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelConfig, backend: str):
-    """One engine step: returns (sampled token ids [S], updated kv_cache)."""
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "backend", "decode"), donate_argnames=("kv_cache",)
+)
+def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelConfig,
+         backend: str, decode: bool = False):
+    """One engine step: returns (sampled token ids [S], updated kv_cache).
+
+    `decode` (every sequence has exactly one new token) picks the decode-tiled kernel.
+    """
     scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def attn_fn(q, k, v, cache, layer):
         k_cache, v_cache = write_kv(*cache, layer, k, v, batch["slot_mapping"])
-        out = _attention(backend, q, k_cache, v_cache, layer, batch, scale)
+        out = _attention(backend, decode, q, k_cache, v_cache, layer, batch, scale)
         return out, (k_cache, v_cache)
 
     hidden, kv_cache = forward(
@@ -116,10 +123,10 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         batch = pack_step(scheduled, self.block_size, self.buckets)
-        self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape))
-        tokens, self.kv_cache = step(
-            self.params, self.kv_cache, jax.device_put(batch), cfg=self.cfg, backend=self.backend
-        )
+        decode = all(sc.num_new_tokens == 1 for sc in scheduled)
+        self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape, decode))
+        tokens, self.kv_cache = step(self.params, self.kv_cache, jax.device_put(batch),
+                                     cfg=self.cfg, backend=self.backend, decode=decode)
         t1 = time.perf_counter()
         host_tokens = np.asarray(tokens)[: len(scheduled)]
         self.last_timing = (t1 - t0, time.perf_counter() - t1)
