@@ -20,7 +20,7 @@ from jprefix.block_manager import BlockManager
 from jprefix.config import SchedulerConfig
 from jprefix.outputs import RequestOutput
 from jprefix.prefix_cache import PrefixPool
-from jprefix.runner import ModelRunner, auto_num_blocks
+from jprefix.runner import ModelRunner
 from jprefix.sampling_params import SamplingParams
 from jprefix.scheduler import Scheduler
 from jprefix.sequence import Sequence
@@ -41,8 +41,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     attention_backend: str | None = None  # "pallas" | "xla" | "pallas-interpret"
+    unroll_layers: bool | None = None  # None: unrolled on GPU, lax.scan elsewhere
     seed: int = 0
-    cpu_max_kv_blocks: int = 4096  # cap when device memory cannot be measured
+    cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -62,17 +63,14 @@ class LLMEngine:
         cfg = model.config
         self.max_model_len = min(self.args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
-        kv_dtype = model.params.embed.dtype
-        num_blocks = self.args.num_kv_blocks or auto_num_blocks(
-            cfg, self.args.block_size, kv_dtype, self.args.gpu_memory_utilization,
-            self.args.cpu_max_kv_blocks,
-        )
         self.runner = ModelRunner(
-            model.params, cfg, num_blocks, self.args.block_size, kv_dtype,
-            backend=self.args.attention_backend,
-            buckets=BucketConfig(min_seqs=8),
+            model.params, cfg, self.args.num_kv_blocks, self.args.block_size,
+            model.params.embed.dtype, backend=self.args.attention_backend,
+            buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
+            memory_fraction=self.args.gpu_memory_utilization,
+            cpu_num_blocks=self.args.cpu_num_kv_blocks,
         )
-        self.scheduler = self._make_scheduler(num_blocks)
+        self.scheduler = self._make_scheduler(self.runner.num_blocks)
         self._pending: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()
         self._live: dict[str, Sequence] = {}  # requests in the scheduler, by id

@@ -21,7 +21,7 @@ import numpy as np
 from jprefix.batch import BucketConfig, pack_step
 from jprefix.sampling import sample
 from models.config import ModelConfig
-from models.llama import compute_logits, forward
+from models.llama import compute_logits, forward, unstack_layers
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
@@ -43,13 +43,15 @@ def _attention(backend: str, decode: bool, q, k_cache, v_cache, layer, batch, sc
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "backend", "decode"), donate_argnames=("kv_cache",)
+    jax.jit, static_argnames=("cfg", "backend", "decode", "greedy"),
+    donate_argnames=("kv_cache",),
 )
 def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelConfig,
-         backend: str, decode: bool = False):
+         backend: str, decode: bool = False, greedy: bool = False):
     """One engine step: returns (sampled token ids [S], updated kv_cache).
 
-    `decode` (every sequence has exactly one new token) picks the decode-tiled kernel.
+    `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
+    `greedy` (every temperature is 0) skips the sampling machinery.
     """
     scale = 1.0 / math.sqrt(cfg.head_dim)
 
@@ -62,6 +64,8 @@ def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelCo
         params, cfg, batch["token_ids"], batch["positions"], kv_cache, attn_fn
     )
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_cache
     tokens = sample(
         logits,
         batch["temperature"],
@@ -80,15 +84,15 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
 
 
 def auto_num_blocks(
-    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, max_blocks: int
+    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int
 ) -> int:
-    """KV blocks that fit in `memory_fraction` of the device memory free now."""
+    """KV blocks that fit in `memory_fraction` of the device memory free now (`cpu_blocks`
+    where device memory cannot be measured)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
-        return max_blocks
+        return cpu_blocks
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    budget = int(free * memory_fraction)
-    return max(2, min(max_blocks, budget // kv_block_bytes(cfg, block_size, dtype)))
+    return max(2, int(free * memory_fraction) // kv_block_bytes(cfg, block_size, dtype))
 
 
 class ModelRunner:
@@ -98,18 +102,30 @@ class ModelRunner:
         self,
         params: Any,
         cfg: ModelConfig,
-        num_blocks: int,
+        num_blocks: int | None,
         block_size: int,
         kv_dtype: Any,
         backend: str | None = None,
         buckets: BucketConfig | None = None,
+        unroll_layers: bool | None = None,
+        memory_fraction: float = 0.9,
+        cpu_num_blocks: int = 4096,
     ):
+        """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
+        free once the weights are placed."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-        self.params, self.cfg, self.backend = params, cfg, backend
+        if unroll_layers is None:  # GPU: unrolled (no per-layer weight copy); CPU: fast compile
+            unroll_layers = jax.default_backend() == "gpu"
+        self.params = unstack_layers(params) if unroll_layers else params
+        self.cfg, self.backend = cfg, backend
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
+        if num_blocks is None:
+            num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
+                                         cpu_num_blocks)
+        self.num_blocks = num_blocks
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache: KVCache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
         self.shapes_seen: set[tuple[int, ...]] = set()
@@ -124,9 +140,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = pack_step(scheduled, self.block_size, self.buckets)
         decode = all(sc.num_new_tokens == 1 for sc in scheduled)
+        greedy = not batch["temperature"].any()
         self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape, decode))
         tokens, self.kv_cache = step(self.params, self.kv_cache, jax.device_put(batch),
-                                     cfg=self.cfg, backend=self.backend, decode=decode)
+                                     cfg=self.cfg, backend=self.backend, decode=decode,
+                                     greedy=greedy)
         t1 = time.perf_counter()
         host_tokens = np.asarray(tokens)[: len(scheduled)]
         self.last_timing = (t1 - t0, time.perf_counter() - t1)

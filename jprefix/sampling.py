@@ -19,17 +19,13 @@ def sample(
     seeds: jax.Array,  # [S] uint32
     counters: jax.Array,  # [S] int32, tokens generated so far
 ) -> jax.Array:  # [S] int32
-    """Samples one token per row; rows with temperature 0 take the argmax."""
+    """Samples one token per row; rows with temperature 0 take the argmax.
+
+    (The engine skips this for all-greedy batches, a fact it knows on the host.)
+    """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jnp.where(
-            temperature > 0,
-            _sample_random(logits, temperature, top_k, top_p, seeds, counters),
-            greedy,
-        ),
-        lambda: greedy,
-    )
+    sampled = _sample_random(logits, temperature, top_k, top_p, seeds, counters)
+    return jnp.where(temperature > 0, sampled, greedy)
 
 
 def _sample_random(logits, temperature, top_k, top_p, seeds, counters):

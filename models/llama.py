@@ -156,25 +156,51 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
             cache: Any, attn_fn: AttnFn) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
-    Layers run under lax.scan with `cache` in the carry; attention (and any KV cache write)
-    is delegated to `attn_fn(q, k, v, cache, layer)`.
+    With stacked layers (`params.layers` a LayerParams) the layers run under lax.scan with
+    `cache` in the carry; with a tuple of per-layer LayerParams (see `unstack_layers`) they
+    are unrolled, which on GPU avoids slicing each layer's weights out of the stack (a copy
+    per layer per step) and the while loop's per-iteration host round trip. Attention (and
+    any KV cache write) is delegated to `attn_fn(q, k, v, cache, layer)`.
     """
     x = params.embed[token_ids]
-    inv_freq = rope_inv_freq(cfg)
-
-    def layer_step(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array]):
-        x, cache = carry
-        lp, layer = xs
-        q, k, v = _qkv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp, cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, cache = attn_fn(q, k, v, cache, layer)
-        x = x + out.astype(x.dtype).reshape(*x.shape[:-1], -1) @ lp.wo
-        x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
-        return (x, cache), None
-
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (params.layers, layer_ids))
+    body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
+                             attn_fn=attn_fn)
+    if isinstance(params.layers, tuple):
+        for i, lp in enumerate(params.layers):
+            (x, cache), _ = body((x, cache), (lp, jnp.int32(i)))
+    else:
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
+
+
+def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
+           positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn):
+    x, cache = carry
+    lp, layer = xs
+    q, k, v = _qkv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp, cfg)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    out, cache = attn_fn(q, k, v, cache, layer)
+    x = x + out.astype(x.dtype).reshape(*x.shape[:-1], -1) @ lp.wo
+    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
+    return (x, cache), None
+
+
+def unstack_layers(params: Params) -> Params:
+    """Params whose `layers` is a tuple of per-layer LayerParams (for the unrolled forward).
+
+    The split copies the layer weights once; the stacked arrays are freed when the caller
+    drops them.
+    """
+    stacked = params.layers
+    num_layers = stacked.attn_norm.shape[0]
+    fields = {}
+    for f in dataclasses.fields(LayerParams):
+        value = getattr(stacked, f.name)
+        fields[f.name] = [None] * num_layers if value is None else list(value)
+    layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
+                   for i in range(num_layers))
+    return dataclasses.replace(params, layers=layers)
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

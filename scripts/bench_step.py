@@ -30,6 +30,8 @@ COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200
 def fake_decode_batch(batch: int, context: int, block_size: int, num_blocks: int, rng):
     greedy = SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0)
     per_seq = -(-context // block_size)
+    if batch * per_seq >= num_blocks:
+        raise ValueError(f"batch {batch} x {per_seq} blocks exceeds the {num_blocks}-block cache")
     ids = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq].reshape(batch, per_seq)
     scheduled = []
     for b in range(batch):
