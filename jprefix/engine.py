@@ -17,6 +17,7 @@ import numpy as np
 
 from jprefix.batch import BucketConfig
 from jprefix.block_manager import BlockManager
+from jprefix.cascade import CascadePlan, plan_cascade
 from jprefix.config import SchedulerConfig
 from jprefix.outputs import RequestOutput
 from jprefix.prefix_cache import PrefixPool
@@ -42,6 +43,9 @@ class EngineArgs:
     policy: str = "fcfs"
     attention_backend: str | None = None  # "pallas" | "xla" | "pallas-interpret"
     unroll_layers: bool | None = None  # None: unrolled on GPU, lax.scan elsewhere
+    enable_cascade: bool = True  # decode attends each shared prefix once per group
+    cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off
+    cascade_min_blocks: int = 4  # shared blocks before a group pays off
     seed: int = 0
     cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
 
@@ -154,7 +158,7 @@ class LLMEngine:
             if not out.scheduled:
                 return self._collect(aborted + self.scheduler.update(out, {}))
             t1 = time.perf_counter()
-            tokens = self.runner.execute(out.scheduled)
+            tokens = self.runner.execute(out.scheduled, self._cascade_plan(out.scheduled))
             t2 = time.perf_counter()
             sampled = {
                 sc.seq.request_id: int(t)
@@ -170,6 +174,13 @@ class LLMEngine:
             outputs = self._collect(finished)
             self._record(out, t0, t1, t2)
             return outputs
+
+    def _cascade_plan(self, scheduled) -> CascadePlan | None:
+        if not (self.args.enable_cascade and self.args.enable_prefix_caching):
+            return None
+        return plan_cascade(scheduled, self.args.block_size,
+                            self.scheduler.block_manager.ref_count,
+                            self.args.cascade_min_group, self.args.cascade_min_blocks)
 
     def _record(self, out, t0: float, t1: float, t2: float) -> None:
         """Per-step timing: host seconds (schedule, pack, dispatch, postprocess) vs total."""

@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jprefix.batch import BucketConfig, pack_step
+from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.sampling import sample
 from models.config import ModelConfig
 from models.llama import compute_logits, forward, unstack_layers
+from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
@@ -35,6 +37,13 @@ def default_backend() -> str:
 
 
 def _attention(backend: str, decode: bool, q, k_cache, v_cache, layer, batch, scale):
+    if "prefix_block_tables" in batch:
+        return cascade_attention(
+            q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
+            batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
+            batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
+            use_reference=backend == "xla", max_q_len=1,
+        )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
         return paged_attention_reference(*args, scale=scale)
@@ -51,7 +60,8 @@ def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelCo
     """One engine step: returns (sampled token ids [S], updated kv_cache).
 
     `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
-    `greedy` (every temperature is 0) skips the sampling machinery.
+    `greedy` (every temperature is 0) skips the sampling machinery. A batch carrying
+    cascade arrays (jprefix.cascade) attends each group's shared prefix once.
     """
     scale = 1.0 / math.sqrt(cfg.head_dim)
 
@@ -131,21 +141,33 @@ class ModelRunner:
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_timing = (0.0, 0.0)
 
-    def execute(self, scheduled: Seq) -> np.ndarray:
-        """Runs one step; returns the sampled token of every scheduled sequence.
+    def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
+        """Runs one step; returns the sampled token of every scheduled sequence (in
+        `scheduled` order, also when a cascade `plan` regroups them).
 
         Records (host seconds to pack and dispatch, seconds waiting for the device) in
         `last_timing`.
         """
         t0 = time.perf_counter()
+        if plan is not None:
+            scheduled = [scheduled[i] for i in plan.order]
         batch = pack_step(scheduled, self.block_size, self.buckets)
+        if plan is not None:
+            batch |= pack_cascade(scheduled, plan, self.block_size, len(batch["kv_lens"]),
+                                  self.buckets.min_blocks)
         decode = all(sc.num_new_tokens == 1 for sc in scheduled)
         greedy = not batch["temperature"].any()
-        self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape, decode))
+        self.shapes_seen.add(
+            (len(batch["token_ids"]), *batch["block_tables"].shape, decode, plan is not None)
+        )
         tokens, self.kv_cache = step(self.params, self.kv_cache, jax.device_put(batch),
                                      cfg=self.cfg, backend=self.backend, decode=decode,
                                      greedy=greedy)
         t1 = time.perf_counter()
         host_tokens = np.asarray(tokens)[: len(scheduled)]
         self.last_timing = (t1 - t0, time.perf_counter() - t1)
-        return host_tokens
+        if plan is None:
+            return host_tokens
+        unordered = np.empty_like(host_tokens)
+        unordered[plan.order] = host_tokens
+        return unordered

@@ -5,6 +5,12 @@ query row i of s sits at position `kv_lens[s] - q_len + i` and attends to the ca
 positions `<=` it, found through `block_tables[s]`. Padding sequences have q_len 0 and
 kv_len 0; rows at or beyond `cu_q_lens[S]` are padding and come out as zeros.
 
+With `causal=False` every query row of s attends to all `kv_lens[s]` keys (no position
+mask; cascade attention's shared-prefix part). With `return_lse=True` both functions also
+return each row's log-sum-exp of its logits over the keys it attends (natural log,
+float32 [T, H]; -inf for rows that attend to no key), so that partial attentions over
+disjoint key sets can be merged (`cascade_attention.merge_attention`).
+
 Cache layout: `k_cache, v_cache: [L, K, N, B, D]`; the layer is an input so the engine
 passes the whole multi-layer buffer (slicing a layer out would copy it every step).
 """
@@ -69,7 +75,7 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
 
 
 def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
-            kv_splits, interpret, prefetch_pages) -> KernelConfig:
+            kv_splits, interpret, prefetch_pages, causal, return_lse) -> KernelConfig:
     t, h, d = q.shape
     _, k, n, b, _ = k_cache.shape
     g = h // k
@@ -86,13 +92,14 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp),
         pages_per_step=block_kv // b, kv_splits=kv_splits, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
-        dump_rows=interpret, prefetch_pages=prefetch_pages,
+        dump_rows=interpret, prefetch_pages=prefetch_pages, causal=causal,
+        return_lse=return_lse,
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
-    "num_warps", "num_stages", "prefetch_pages"))
+    "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse"))
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -112,8 +119,13 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     prefetch_pages: bool = False,
-) -> jax.Array:
-    """Causal attention of a ragged batch against the paged KV cache. Returns [T, H, D].
+    causal: bool = True,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of a ragged batch against the paged KV cache. Returns [T, H, D].
+
+    `causal=False` drops the position mask (rows see all `kv_lens[s]` keys);
+    `return_lse=True` returns `(out [T, H, D], lse [T, H] float32)` (module docstring).
 
     `max_q_len` is a static hint: 1 picks the decode tiling (one token per tile, the
     key range split over `kv_splits` programs, None = enough splits for ~1024 programs);
@@ -126,7 +138,8 @@ def paged_attention(
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,
                   max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
-                  kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages)
+                  kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages,
+                  causal=causal, return_lse=return_lse)
     if num_stages is None:
         num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
     num_layers, k, n, b, d = k_cache.shape
@@ -138,6 +151,8 @@ def paged_attention(
     out = run_kernel(q.reshape(t * h, d), k_cache.reshape(num_layers * k * n, b, d),
                      v_cache.reshape(num_layers * k * n, b, d), layer, block_tables, meta, cfg,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if return_lse:
+        return out[0].reshape(t, h, d), out[1].reshape(t, h)
     return out.reshape(t, h, d)
 
 
@@ -153,8 +168,9 @@ def token_positions(cu_q_lens, kv_lens, num_tokens: int):
     return seq, pos, valid
 
 
-def _reference_chunk(q, pos, valid, tables, k_cache, v_cache, layer, scale, soft_cap):
-    """Attention for C tokens, each against its own sequence's gathered pages."""
+def _reference_chunk(q, limit, valid, tables, k_cache, v_cache, layer, scale, soft_cap,
+                     return_lse):
+    """Attention for C tokens, each against keys [0, limit) of its sequence's pages."""
     c, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
     m = tables.shape[1]
@@ -166,18 +182,23 @@ def _reference_chunk(q, pos, valid, tables, k_cache, v_cache, layer, scale, soft
                    precision=jax.lax.Precision.HIGHEST) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    visible = (jnp.arange(m * b)[None, :] <= pos[:, None]) & valid[:, None]  # [C, M*B]
+    visible = (jnp.arange(m * b)[None, :] < limit[:, None]) & valid[:, None]  # [C, M*B]
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
     s_max = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(s_max), s_max, 0.0))
+    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
+    p = jnp.exp(s - s_max)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
     out = jnp.einsum("ckgj,ckjd->ckgd", p, vals.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(c, h, d).astype(q.dtype)
+    out = out.reshape(c, h, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    return out, (s_max + jnp.log(denom)).reshape(c, h)  # log(0) = -inf: no visible key
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "token_chunk"))
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "soft_cap", "token_chunk", "causal", "return_lse"))
 def paged_attention_reference(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -190,28 +211,35 @@ def paged_attention_reference(
     scale: float,
     soft_cap: float | None = None,
     token_chunk: int | None = None,
-) -> jax.Array:
+    causal: bool = True,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain-jnp paged attention with `paged_attention`'s semantics (also the CPU path).
 
     Each token gathers its sequence's pages straight from the multi-layer cache (no
     layer copy) and runs a masked float32 softmax. Tokens go `token_chunk` at a time
     (default: about 16M gathered elements per chunk) so memory stays bounded.
+    `causal` and `return_lse` as in `paged_attention`.
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     t, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
     m = block_tables.shape[1]
     seq, pos, valid = token_positions(cu_q_lens, kv_lens, t)
+    limit = pos + 1 if causal else kv_lens[seq]  # keys [0, limit) are visible
     if token_chunk is None:
         token_chunk = max(1, (1 << 24) // (m * b * k * d))
     c = min(t, token_chunk)
     chunk = functools.partial(_reference_chunk, k_cache=k_cache, v_cache=v_cache,
-                              layer=layer, scale=scale, soft_cap=soft_cap)
+                              layer=layer, scale=scale, soft_cap=soft_cap,
+                              return_lse=return_lse)
     tables = block_tables[seq]
     if c == t:
-        return chunk(q, pos, valid, tables)
+        return chunk(q, limit, valid, tables)
     pad = -t % c
-    xs = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, pos, valid, tables)]
+    xs = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, limit, valid, tables)]
     xs = [x.reshape(-1, c, *x.shape[1:]) for x in xs]
     out = jax.lax.map(lambda a: chunk(*a), xs)
+    if return_lse:
+        return out[0].reshape(-1, h, d)[:t], out[1].reshape(-1, h)[:t]
     return out.reshape(-1, h, d)[:t]

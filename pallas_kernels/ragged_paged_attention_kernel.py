@@ -7,6 +7,10 @@ once for all of them. Decode uses one token per tile (rows = the query group pad
 16, the smallest `dot`); prefill uses several tokens per tile. Tiles never straddle two
 sequences, so block tables and lengths are read as scalars per tile from a small
 metadata array computed by `tile_metadata` (no scalar prefetch on Triton).
+
+Two static options add code only when set: `causal=False` (every row sees all `kv_len`
+keys; cascade attention's shared-prefix part) and `return_lse` (also the log-sum-exp of
+each row's logits, natural log, -inf for rows that see no key).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 # Finite start for the running max so that fully masked rows never compute inf - inf.
 _M_INIT = -1e30
 META_FIELDS = 5  # seq, first token, valid tokens, position of first token, kv_len
@@ -47,6 +52,8 @@ class KernelConfig:
     num_rows: int  # T * H: rows of the flattened query / output
     dump_rows: bool  # masked rows store to private rows past num_rows (interpret mode)
     prefetch_pages: bool  # load the next step's page ids one step ahead
+    causal: bool = True  # False: every row sees keys [0, kv_len) (no position mask)
+    return_lse: bool = False  # also output the natural-log log-sum-exp per row
 
     @property
     def block_kv(self) -> int:
@@ -113,7 +120,10 @@ def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg
     x = _logits(q, k, cfg)
     if masked:
         key_pos = j * cfg.block_kv + jnp.arange(cfg.block_kv, dtype=jnp.int32)
-        visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
+        if cfg.causal:
+            visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
+        else:
+            visible = key_pos[None, :] < kv_len
         x = jnp.where(visible, x, -jnp.inf)
     m_new = jnp.maximum(m, x.max(axis=1))
     alpha = jnp.exp2(m - m_new)
@@ -135,7 +145,8 @@ def ragged_paged_attention_kernel(
     k_ref,  # [L*K*N, B, D]
     v_ref,  # [L*K*N, B, D]
     o_ref,  # [T*H(+R), D] out dtype, or [splits*(T*H(+R)), D] float32 partials
-    *stat_refs,  # with kv_splits > 1: m, l partials [splits*(T*H(+R))] float32
+    *stat_refs,  # kv_splits > 1: m, l partials [splits*(T*H(+R))] float32;
+    # kv_splits == 1 and return_lse: lse [T*H(+R)] float32
     cfg: KernelConfig,
 ):
     tile, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -152,8 +163,11 @@ def ragged_paged_attention_kernel(
     pos = first_pos + tok  # [R]
 
     # Keys this tile needs: [0, kv_hi). Keys < kv_full are visible to every row.
-    kv_hi = jnp.clip(first_pos + valid, 0, kv_len)
-    kv_full = jnp.clip(first_pos + 1, 0, kv_len)
+    if cfg.causal:
+        kv_hi = jnp.clip(first_pos + valid, 0, kv_len)
+        kv_full = jnp.clip(first_pos + 1, 0, kv_len)
+    else:
+        kv_hi = kv_full = kv_len
     max_steps = bt_ref.shape[1] // cfg.pages_per_step
     n_steps = jnp.minimum(pl.cdiv(kv_hi, cfg.block_kv), max_steps)
     n_full = jnp.minimum(kv_full // cfg.block_kv, n_steps)
@@ -183,6 +197,9 @@ def ragged_paged_attention_kernel(
         out = o / jnp.where(denom == 0.0, 1.0, denom)[:, None]
         plgpu.store(o_ref.at[row[:, None], cols[None, :]], out.astype(o_ref.dtype),
                     mask=row_ok[:, None])
+        if cfg.return_lse:
+            lse = jnp.where(denom > 0.0, m * LN2 + jnp.log(denom), -jnp.inf)
+            plgpu.store(stat_refs[0].at[row], lse, mask=row_ok)
         return
     prow = split * rows_per_split + row
     plgpu.store(o_ref.at[prow[:, None], cols[None, :]], o, mask=row_ok[:, None])
@@ -191,22 +208,35 @@ def ragged_paged_attention_kernel(
     plgpu.store(denom_ref.at[prow], denom, mask=row_ok)
 
 
-def combine_splits(o, m, denom, num_rows: int, dtype):
-    """Merges per-split partials [splits, rows, D] / [splits, rows] into [num_rows, D]."""
+def combine_splits(o, m, denom, num_rows: int, dtype, return_lse: bool = False):
+    """Merges per-split partials [splits, rows, D] / [splits, rows] into [num_rows, D].
+
+    With `return_lse` also returns the rows' natural-log log-sum-exp [num_rows] (-inf
+    where no split saw a key).
+    """
     o, m, denom = o[:, :num_rows], m[:, :num_rows], denom[:, :num_rows]
-    w = jnp.exp2(m - m.max(axis=0)[None])
+    m_max = m.max(axis=0)
+    w = jnp.exp2(m - m_max[None])
     total = (denom * w).sum(axis=0)
     out = (o * w[..., None]).sum(axis=0) / jnp.where(total == 0.0, 1.0, total)[:, None]
-    return out.astype(dtype)
+    if not return_lse:
+        return out.astype(dtype)
+    lse = jnp.where(total > 0.0, m_max * LN2 + jnp.log(total), -jnp.inf)
+    return out.astype(dtype), lse
 
 
 def run_kernel(q2, k3, v3, layer, block_tables, meta, cfg: KernelConfig, *,
                num_warps: int, num_stages: int, interpret: bool):
-    """Launches the kernel; q2 is [T*H, D], k3/v3 are [L*K*N, B, D]. Returns [T*H, D]."""
+    """Launches the kernel; q2 is [T*H, D], k3/v3 are [L*K*N, B, D].
+
+    Returns [T*H, D], or with `cfg.return_lse` ([T*H, D], lse [T*H] float32).
+    """
     rows = cfg.num_rows + (cfg.tile_rows if cfg.dump_rows else 0)
     d = cfg.head_dim
     if cfg.kv_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, d), q2.dtype)]
+        if cfg.return_lse:
+            out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
     else:
         n = cfg.kv_splits * rows
         out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32),
@@ -218,11 +248,18 @@ def run_kernel(q2, k3, v3, layer, block_tables, meta, cfg: KernelConfig, *,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}",
+        name=_kernel_name(cfg),
     )(meta, block_tables, layer, q2, k3, v3)
     if cfg.kv_splits == 1:
+        if cfg.return_lse:
+            return outs[0][: cfg.num_rows], outs[1][: cfg.num_rows]
         return outs[0][: cfg.num_rows]
     o, m, denom = outs
     s = cfg.kv_splits
     return combine_splits(o.reshape(s, rows, d), m.reshape(s, rows), denom.reshape(s, rows),
-                          cfg.num_rows, q2.dtype)
+                          cfg.num_rows, q2.dtype, return_lse=cfg.return_lse)
+
+
+def _kernel_name(cfg: KernelConfig) -> str:
+    name = f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}"
+    return name + ("" if cfg.causal else "_full") + ("_lse" if cfg.return_lse else "")

@@ -1,0 +1,173 @@
+"""Cascade (shared-prefix) attention: read a shared prefix's K/V once for its whole group.
+
+Query rows are packed so that group g (every sequence sharing one cached prefix) owns the
+contiguous rows `prefix_cu_q_lens[g]:prefix_cu_q_lens[g+1]`. Attention splits over two
+disjoint key sets:
+
+- prefix: all of the group's rows against the prefix's `prefix_kv_lens[g]` keys, with no
+  causal mask (every row sits after the prefix); the kernel's prefill tiling packs many
+  rows of the group into one tile, so each prefix page is loaded once per tile instead of
+  once per sequence (Hydragen, FlashInfer cascade, RelayAttention);
+- suffix: each sequence's causal attention over its own blocks after the prefix
+  (`suffix_block_tables[s]` = the block table without the prefix's blocks,
+  `suffix_kv_lens[s]` = kv_len - prefix length, the prefix a whole number of blocks);
+
+and the two are merged by log-sum-exp. Rows in no group (before the first group, after
+the last, or in a group with prefix_kv_lens 0) get the suffix attention alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+_INT32 = jnp.dtype(jnp.int32)
+
+
+def merge_attention(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array):
+    """Merges two attentions over disjoint key sets. o [T, H, D], lse [T, H] natural log.
+
+    Returns `(o [T, H, D] in o1.dtype, lse [T, H] float32)`, computed in float32. A side
+    with lse -inf (no keys; its o must be finite, e.g. zeros) contributes nothing; rows
+    with both sides -inf come out as zeros with lse -inf.
+    """
+    lse1, lse2 = lse1.astype(jnp.float32), lse2.astype(jnp.float32)
+    m = jnp.maximum(lse1, lse2)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # both -inf: weights exp(-inf) = 0
+    w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
+    total = w1 + w2
+    o = o1.astype(jnp.float32) * w1[..., None] + o2.astype(jnp.float32) * w2[..., None]
+    o = o / jnp.where(total == 0.0, 1.0, total)[..., None]
+    return o.astype(o1.dtype), m + jnp.log(total)
+
+
+def _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens):
+    """Raises ValueError naming the prefix argument whose shape or dtype is wrong."""
+    if prefix_block_tables.ndim != 2 or jnp.dtype(prefix_block_tables.dtype) != _INT32:
+        raise ValueError(f"prefix_block_tables must be int32 [G, Mp], got "
+                         f"{prefix_block_tables.dtype}{list(prefix_block_tables.shape)}")
+    g = prefix_block_tables.shape[0]
+    if prefix_kv_lens.shape != (g,) or jnp.dtype(prefix_kv_lens.dtype) != _INT32:
+        raise ValueError(f"prefix_kv_lens must be int32 [{g}], got "
+                         f"{prefix_kv_lens.dtype}{list(prefix_kv_lens.shape)}")
+    if prefix_cu_q_lens.shape != (g + 1,) or jnp.dtype(prefix_cu_q_lens.dtype) != _INT32:
+        raise ValueError(f"prefix_cu_q_lens must be int32 [{g + 1}], got "
+                         f"{prefix_cu_q_lens.dtype}{list(prefix_cu_q_lens.shape)}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
+
+
+def _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens):
+    """Prepends an empty group (kv_len 0) owning rows [0, prefix_cu_q_lens[0]).
+
+    The kernels' row contract starts sequences at row 0; this lets the first group start
+    anywhere (rows before it get lse -inf) at the cost of one more, keyless, segment.
+    """
+    return dict(block_tables=jnp.pad(prefix_block_tables, ((1, 0), (0, 0))),
+                kv_lens=jnp.pad(prefix_kv_lens, (1, 0)),
+                cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_cu_q_lens]))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "soft_cap", "interpret", "use_reference", "max_q_len", "prefix_block_q",
+    "prefix_kv_splits"))
+def cascade_attention(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array,  # int32 scalar
+    prefix_block_tables: jax.Array,  # [G, Mp] int32
+    prefix_kv_lens: jax.Array,  # [G] int32, whole blocks
+    prefix_cu_q_lens: jax.Array,  # [G + 1] int32, group g owns rows [cu[g], cu[g+1])
+    suffix_block_tables: jax.Array,  # [S, M] int32, blocks after the prefix
+    suffix_kv_lens: jax.Array,  # [S] int32, kv_len - prefix length
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    use_reference: bool = False,
+    max_q_len: int | None = None,
+    prefix_block_q: int = 128,
+    prefix_kv_splits: int | None = None,
+) -> jax.Array:
+    """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
+
+    Equals `paged_attention` over the full block tables (prefix blocks + suffix blocks,
+    kv_lens = prefix + suffix). `max_q_len` is the suffix part's tiling hint (1 = decode);
+    the prefix part always uses the prefill tiling with `prefix_block_q` rows per tile and
+    `prefix_kv_splits` key-range splits (None: enough for about 1024 programs, at most
+    8). `use_reference` runs the same composition on `paged_attention_reference` (the
+    XLA path; the tuning knobs are ignored there).
+    """
+    _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
+    groups = _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
+    suffix = dict(block_tables=suffix_block_tables, kv_lens=suffix_kv_lens,
+                  cu_q_lens=cu_q_lens)
+    common = dict(q=q, k_cache=k_cache, v_cache=v_cache, layer=layer, scale=scale,
+                  soft_cap=soft_cap, return_lse=True)
+    if use_reference:
+        o1, lse1 = paged_attention_reference(**groups, causal=False, **common)
+        o2, lse2 = paged_attention_reference(**suffix, **common)
+    else:
+        if prefix_kv_splits is None:
+            prefix_kv_splits = _prefix_splits(q, k_cache, prefix_block_q)
+        o1, lse1 = paged_attention(**groups, causal=False, interpret=interpret,
+                                   block_q=prefix_block_q, kv_splits=prefix_kv_splits,
+                                   **common)
+        o2, lse2 = paged_attention(**suffix, interpret=interpret, max_q_len=max_q_len,
+                                   **common)
+    return merge_attention(o1, lse1, o2, lse2)[0]
+
+
+def _prefix_splits(q, k_cache, block_q: int) -> int:
+    """Key-range splits for the prefix part: about 1024 programs, between 1 and 8."""
+    t, h, _ = q.shape
+    k = k_cache.shape[1]
+    group_padded = 1 << max(0, h // k - 1).bit_length()
+    tiles = -(-t // max(1, block_q // group_padded))
+    return min(8, 1 << max(0, 1024 // (tiles * k) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
+def cascade_attention_reference(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array,  # int32 scalar
+    prefix_block_tables: jax.Array,  # [G, Mp] int32
+    prefix_kv_lens: jax.Array,  # [G] int32
+    prefix_cu_q_lens: jax.Array,  # [G + 1] int32
+    suffix_block_tables: jax.Array,  # [S, M] int32
+    suffix_kv_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """The dense check: each sequence's full table (its group's prefix blocks, then its
+    own blocks) and plain causal `paged_attention_reference` over it. Returns [T, H, D].
+
+    Sequence s belongs to the group whose row range holds its first row (if any).
+    """
+    _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
+    b = k_cache.shape[3]
+    num_groups, mp = prefix_block_tables.shape
+    first_row = cu_q_lens[:-1]
+    grp = jnp.searchsorted(prefix_cu_q_lens[1:], first_row, side="right").astype(jnp.int32)
+    grp_c = jnp.minimum(grp, num_groups - 1)
+    in_group = (grp < num_groups) & (prefix_cu_q_lens[grp_c] <= first_row)
+    prefix_len = jnp.where(in_group, prefix_kv_lens[grp_c], 0)  # [S]
+    n_prefix = (prefix_len // b)[:, None]  # [S, 1] prefix blocks
+    j = jnp.arange(mp + suffix_block_tables.shape[1], dtype=jnp.int32)[None, :]
+    from_prefix = prefix_block_tables[grp_c[:, None], jnp.minimum(j, mp - 1)]
+    from_suffix = jnp.take_along_axis(
+        jnp.pad(suffix_block_tables, ((0, 0), (0, mp))), jnp.maximum(j - n_prefix, 0), axis=1)
+    tables = jnp.where(j < n_prefix, from_prefix, from_suffix)
+    return paged_attention_reference(q, k_cache, v_cache, layer, tables,
+                                     prefix_len + suffix_kv_lens, cu_q_lens, scale=scale,
+                                     soft_cap=soft_cap)

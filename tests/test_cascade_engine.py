@@ -1,0 +1,82 @@
+"""Cascade decode in the engine: grouping on the host, and greedy tokens identical with
+cascade on and off (multi-level prefixes, sequences joining and leaving groups)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import jprefix
+from jprefix import LLM, SamplingParams
+from jprefix.cascade import pack_cascade, plan_cascade, shared_blocks
+from models.llama import dense_generate
+
+BS = 8
+
+
+def _decode(blocks, kv_len):
+    return SimpleNamespace(seq=SimpleNamespace(block_table=blocks), start=kv_len - 1,
+                           num_new_tokens=1)
+
+
+def test_shared_blocks_is_the_leading_run_of_shared_refs():
+    refs = {1: 3, 2: 3, 3: 2, 4: 1, 5: 1}
+    assert shared_blocks([1, 2, 3, 4, 5], 5, refs.get) == 3
+    assert shared_blocks([1, 2, 3, 4, 5], 2, refs.get) == 2  # capped before the query
+    assert shared_blocks([4, 5], 2, refs.get) == 0
+
+
+def test_plan_groups_by_shared_prefix_and_orders_groups_first():
+    refs = {b: 1 for b in range(100)} | {1: 3, 2: 3, 3: 2, 7: 2}
+    scheduled = [
+        _decode([9, 10], 12),  # alone
+        _decode([1, 2, 3, 20], 30),  # group A (3 blocks)
+        _decode([1, 2, 21], 20),  # shares 2 blocks, different last block -> own key
+        _decode([1, 2, 3, 22], 26),  # group A
+        _decode([7, 23], 9),  # block 7 shared, but a group of one
+    ]
+    plan = plan_cascade(scheduled, BS, refs.get, min_group=2, min_blocks=1)
+    assert plan.group_sizes == [2]
+    assert plan.order[:2] == [1, 3] and sorted(plan.order) == list(range(5))
+    assert plan.prefix_blocks == [3, 3, 0, 0, 0]
+    ordered = [scheduled[i] for i in plan.order]
+    arrays = pack_cascade(ordered, plan, BS, 8, 4)
+    assert arrays["prefix_block_tables"][0, :3].tolist() == [1, 2, 3]
+    assert arrays["prefix_kv_lens"][0] == 24
+    assert arrays["prefix_cu_q_lens"][:2].tolist() == [0, 2]
+    assert arrays["suffix_block_tables"][0, :1].tolist() == [20]
+    assert arrays["suffix_kv_lens"][:5].tolist() == [30 - 24, 26 - 24, 12, 20, 9]
+    assert plan_cascade(scheduled, BS, refs.get, min_group=3, min_blocks=1) is None
+    prefill = [SimpleNamespace(seq=SimpleNamespace(block_table=[1]), start=0, num_new_tokens=5)]
+    assert plan_cascade(prefill, BS, refs.get, min_group=1, min_blocks=0) is None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
+def test_greedy_tokens_identical_with_cascade_on_and_off(tiny, backend):
+    rng = np.random.default_rng(0)
+    V = tiny.config.vocab_size
+    policy = rng.integers(3, V, 24).tolist()
+    depts = [policy + rng.integers(3, V, 16).tolist() for _ in range(2)]
+    prompts = [d + rng.integers(3, V, int(n)).tolist()
+               for d in depts for n in rng.integers(1, 12, 3)]
+    prompts += [policy + rng.integers(3, V, 5).tolist(), rng.integers(3, V, 30).tolist()]
+    # different lengths: sequences leave their groups at different steps
+    params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True)
+              for n in rng.integers(3, 9, len(prompts))]
+    results = {}
+    for cascade in (False, True):
+        llm = LLM(tiny, block_size=BS, num_kv_blocks=128, attention_backend=backend,
+                  enable_cascade=cascade, cascade_min_group=2, cascade_min_blocks=1)
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)  # a first wave fills the cache
+        results[cascade] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        used = any(s[4] for s in llm.engine.runner.shapes_seen)
+        assert used == cascade
+    assert results[True] == results[False]
+    for p, sp, toks in zip(prompts, params, results[True], strict=True):
+        assert toks == dense_generate(tiny.params, tiny.config, p, sp.max_tokens,
+                                      eos_token_ids=())
