@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--ttft-reps", type=int, default=10)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--skip-off", action="store_true", help="skip the cache-off runs")
+    ap.add_argument("--compare-cascade", action="store_true",
+                    help="also run cache on with cascade decode off")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -102,18 +104,24 @@ def main() -> None:
                            model.config.vocab_size, 0)
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
                      "prefix_len": args.prefix_len, "unique_len": args.unique_len}
-    modes = [True] if args.skip_off else [True, False]
+    modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
+    if args.compare_cascade:
+        modes.append(("on_nocascade", True, False))
+    if not args.skip_off:
+        modes.append(("off", False, False))
     num_blocks = args.num_kv_blocks  # fixed after the first engine: same shapes, no recompile
-    for caching in modes:
+    for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
+                  enable_cascade=cascade,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
         num_blocks = llm.engine.scheduler.block_manager.num_blocks
-        tag = "on" if caching else "off"
         results[f"num_kv_blocks_{tag}"] = llm.engine.scheduler.block_manager.num_blocks
         for out_len in args.output_len:
             r = run_throughput(llm, prompts, args.prefix_len, out_len)
             results[f"throughput_{tag}_out{out_len}"] = r
             print(f"cache {tag} out {out_len}: {r}", flush=True)
+        if tag == "on_nocascade":  # single requests never cascade: TTFT as "on"
+            continue
         results[f"ttft_ms_{tag}_cached" if caching else "ttft_ms_off"] = run_ttft(
             llm, prompts[0], args.prefix_len, caching, args.ttft_reps)
         if caching:
@@ -132,7 +140,11 @@ def print_table(r: dict, args) -> None:
     for out_len in args.output_len:
         on = r.get(f"throughput_on_out{out_len}")
         off = r.get(f"throughput_off_out{out_len}")
+        nc = r.get(f"throughput_on_nocascade_out{out_len}")
         line = f"out {out_len:4d}: cache on {on['output_tok_s']:9.0f} tok/s"
+        if nc:
+            line += (f" | cascade off {nc['output_tok_s']:9.0f} tok/s (step "
+                     f"{nc['full_batch_step_ms']:.1f} ms)")
         if off:
             line += (f" | off {off['output_tok_s']:9.0f} tok/s | on/off "
                      f"{on['output_tok_s'] / off['output_tok_s']:.2f}x | peak blocks on/off "

@@ -1,0 +1,103 @@
+"""Cascade vs plain paged decode attention (issue 6): B sequences sharing a prefix.
+
+Each sequence holds the shared prefix (`--prefix` tokens, whole blocks, the same
+physical blocks for all) and `--own` tokens of its own; one decode query each. Times the
+plain paged kernel over the full block tables against `cascade_attention` (prefix once
+per group + per-sequence suffix + merge), after checking both against the reference.
+
+    PYTHONPATH=$PWD python3 scripts/bench_cascade.py --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cascade_attention import cascade_attention
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+B = 16  # block size
+
+
+def make_case(rng, seqs: int, prefix: int, own: int, heads=(32, 32), d=128):
+    h, k = heads
+    pb, ob = prefix // B, -(-own // B)
+    n = 1 + pb + seqs * ob
+    shape = (1, k, n, B, d)
+    kc = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    vc = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    ids = rng.permutation(np.arange(1, n))
+    prefix_ids, own_ids = ids[:pb], ids[pb:].reshape(seqs, ob)
+    full = np.concatenate([np.tile(prefix_ids, (seqs, 1)), own_ids], axis=1).astype(np.int32)
+    kv_lens = np.full(seqs, prefix + own, np.int32)
+    cu = np.arange(seqs + 1, dtype=np.int32)
+    q = jnp.asarray(rng.standard_normal((seqs, h, d)), jnp.bfloat16)
+    plain = (q, kc, vc, jnp.int32(0), jnp.asarray(full), jnp.asarray(kv_lens), jnp.asarray(cu))
+    cascade = (q, kc, vc, jnp.int32(0), jnp.asarray(prefix_ids[None].astype(np.int32)),
+               jnp.asarray([prefix], jnp.int32), jnp.asarray([0, seqs], jnp.int32),
+               jnp.asarray(own_ids.astype(np.int32)), jnp.asarray(np.full(seqs, own, np.int32)),
+               jnp.asarray(cu))
+    return plain, cascade
+
+
+def timeit(fn, reps=20):
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prefix", type=int, nargs="+", default=[592, 2048])
+    ap.add_argument("--own", type=int, default=232)  # 104 prompt + 128 generated
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    scale = 1 / math.sqrt(128)
+    rows = []
+    for prefix in args.prefix:
+        for seqs in args.seqs:
+            plain, casc = make_case(rng, seqs, prefix, args.own)
+            ref = paged_attention_reference(*plain, scale=scale)
+            out_p = paged_attention(*plain, scale=scale, max_q_len=1)
+            out_c = cascade_attention(*casc, scale=scale, max_q_len=1)
+            t_p = timeit(lambda plain=plain: paged_attention(*plain, scale=scale, max_q_len=1))
+            t_c = timeit(lambda casc=casc: cascade_attention(*casc, scale=scale, max_q_len=1))
+            kv_bytes = 2 * seqs * (prefix + args.own) * 32 * 128 * 2
+            rows.append(dict(seqs=seqs, prefix=prefix, own=args.own, plain_ms=t_p * 1e3,
+                             cascade_ms=t_c * 1e3, speedup=t_p / t_c,
+                             plain_tb_s=kv_bytes / t_p / 1e12,
+                             err_plain=rel_err(out_p, ref), err_cascade=rel_err(out_c, ref)))
+            print(rows[-1], flush=True)
+    print(f"\ncascade vs plain paged decode attention, heads 32/32, D 128, bf16, block {B}, "
+          f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    for r in rows:
+        print(f"{r['seqs']:4d} seqs x ({r['prefix']} shared + {r['own']} own): plain "
+              f"{r['plain_ms']:.3f} ms ({r['plain_tb_s']:.2f} TB/s) | cascade "
+              f"{r['cascade_ms']:.3f} ms | {r['speedup']:.2f}x | rel err "
+              f"{r['err_plain']:.1e} / {r['err_cascade']:.1e}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
