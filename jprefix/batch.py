@@ -88,3 +88,16 @@ def _sampling_arrays(scheduled: Seq, S: int) -> dict[str, np.ndarray]:
         seeds[i] = sc.seq.seed
         counters[i] = len(sc.seq.output_token_ids)
     return dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+
+
+Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array
+
+
+def flatten_batch(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, Layout]:
+    """Packs the step's arrays into one int32 and one float32 buffer (two host-to-device
+    transfers instead of one per array); `layout` (static, hashable) splits them again."""
+    layout = tuple((k, v.shape, v.dtype.name) for k, v in batch.items())
+    ints = [v.view(np.int32).ravel() for v in batch.values() if v.dtype != np.float32]
+    floats = [v.ravel() for v in batch.values() if v.dtype == np.float32]
+    return np.concatenate(ints), np.concatenate(floats), layout
+

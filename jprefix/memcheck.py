@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jprefix.batch import pack_step
+from jprefix.batch import flatten_batch, pack_step
 from jprefix.runner import ModelRunner, step
 
 
@@ -16,9 +16,9 @@ def step_memory_report(runner: ModelRunner, num_tokens: int = 16) -> dict[str, i
     seq = SimpleNamespace(all_token_ids=[1] * num_tokens, block_table=blocks,
                           sampling_params=greedy, seed=0, output_token_ids=[])
     sched = [SimpleNamespace(seq=seq, start=0, num_new_tokens=num_tokens)]
-    batch = pack_step(sched, runner.block_size, runner.buckets)
-    compiled = step.lower(runner.params, runner.kv_cache, batch, cfg=runner.cfg,
-                          backend=runner.backend).compile()
+    ints, floats, layout = flatten_batch(pack_step(sched, runner.block_size, runner.buckets))
+    compiled = step.lower(runner.params, runner.kv_cache, ints, floats, layout=layout,
+                          cfg=runner.cfg, backend=runner.backend).compile()
     analysis = compiled.memory_analysis()
     return dict(
         kv_bytes=sum(x.nbytes for x in runner.kv_cache),

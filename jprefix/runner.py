@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jprefix.batch import BucketConfig, pack_step
+from jprefix.batch import BucketConfig, Layout, flatten_batch, pack_step
 from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.sampling import sample
 from models.config import ModelConfig
@@ -51,18 +51,34 @@ def _attention(backend: str, decode: bool, q, k_cache, v_cache, layer, batch, sc
                            max_q_len=1 if decode else None)
 
 
+def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+    """Inverse of `jprefix.batch.flatten_batch`, inside the jitted step."""
+    out, offsets = {}, {"int": 0, "float32": 0}
+    for name, shape, dtype in layout:
+        kind = "float32" if dtype == "float32" else "int"
+        start, size = offsets[kind], math.prod(shape)
+        flat = (floats if kind == "float32" else ints)[start : start + size]
+        if dtype == "uint32":
+            flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
+        out[name] = flat.reshape(shape)
+        offsets[kind] = start + size
+    return out
+
+
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "backend", "decode", "greedy"),
+    jax.jit, static_argnames=("layout", "cfg", "backend", "decode", "greedy"),
     donate_argnames=("kv_cache",),
 )
-def step(params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelConfig,
-         backend: str, decode: bool = False, greedy: bool = False):
+def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array, *, layout: Layout,
+         cfg: ModelConfig, backend: str, decode: bool = False, greedy: bool = False):
     """One engine step: returns (sampled token ids [S], updated kv_cache).
 
-    `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
-    `greedy` (every temperature is 0) skips the sampling machinery. A batch carrying
-    cascade arrays (jprefix.cascade) attends each group's shared prefix once.
+    The batch arrives as two flat buffers (`flatten_batch`). `decode` (every sequence has
+    exactly one new token) picks the decode-tiled kernel; `greedy` (every temperature is
+    0) skips the sampling machinery. A batch carrying cascade arrays (jprefix.cascade)
+    attends each group's shared prefix once.
     """
+    batch = unflatten_batch(ints, floats, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def attn_fn(q, k, v, cache, layer):
@@ -160,7 +176,8 @@ class ModelRunner:
         self.shapes_seen.add(
             (len(batch["token_ids"]), *batch["block_tables"].shape, decode, plan is not None)
         )
-        tokens, self.kv_cache = step(self.params, self.kv_cache, jax.device_put(batch),
+        ints, floats, layout = flatten_batch(batch)
+        tokens, self.kv_cache = step(self.params, self.kv_cache, ints, floats, layout=layout,
                                      cfg=self.cfg, backend=self.backend, decode=decode,
                                      greedy=greedy)
         t1 = time.perf_counter()

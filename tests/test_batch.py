@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from jprefix.batch import BucketConfig, bucket, pack_step
+from jprefix.batch import BucketConfig, bucket, flatten_batch, pack_step
 
 B = 4
 
@@ -44,3 +44,18 @@ def test_pack_places_every_token_at_its_slot():
     assert (b["cu_q_lens"][len(scheduled):] == n).all()  # padding sequences have q_len 0
     assert (b["kv_lens"][len(scheduled):] == 0).all()
     assert b["temperature"][0] == np.float32(0.5) and b["top_k"][0] == 3
+
+
+def test_flatten_batch_round_trips_through_two_buffers():
+    from jprefix.runner import unflatten_batch
+
+    scheduled = [_sched(range(100, 110), [5, 9, 2], 0, 10), _sched(range(7), [4], 6, 1)]
+    batch = pack_step(scheduled, B, BucketConfig())
+    batch["seeds"][:2] = [2**32 - 1, 7]  # uint32 beyond int32 survives the int32 buffer
+    ints, floats, layout = flatten_batch(batch)
+    assert ints.dtype == np.int32 and floats.dtype == np.float32
+    back = unflatten_batch(ints, floats, layout)
+    assert set(back) == set(batch)
+    for name, value in batch.items():
+        assert back[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(np.asarray(back[name]), value)
