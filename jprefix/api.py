@@ -10,9 +10,10 @@ from tqdm.auto import tqdm
 from jprefix.async_engine import AsyncDriver
 from jprefix.engine import EngineArgs, LLMEngine
 from jprefix.outputs import RequestOutput
+from jprefix.parallel import make_mesh
 from jprefix.sampling_params import SamplingParams
 from jprefix.validation import as_prompt_list, broadcast
-from models.loader import LoadedModel, load
+from models.loader import LoadedModel, load, model_config
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
 
@@ -36,12 +37,13 @@ class LLM:
         unknown = set(engine_kwargs) - _ENGINE_FIELDS
         if unknown:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}")
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size {tensor_parallel_size} is not supported yet: use 1"
-            )
-        loaded = model if isinstance(model, LoadedModel) else load(model, dtype, load_format)
-        self.engine = LLMEngine(loaded, EngineArgs(**engine_kwargs))
+        args = EngineArgs(tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
+        if not isinstance(model, LoadedModel):
+            mesh = None
+            if tensor_parallel_size != 1:  # check tp against the config, then load sharded
+                mesh = make_mesh(model_config(model, load_format), tensor_parallel_size)
+            model = load(model, dtype, load_format, mesh=mesh)
+        self.engine = LLMEngine(model, args)
         self._driver = AsyncDriver(self.engine)
 
     @property

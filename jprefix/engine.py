@@ -20,6 +20,7 @@ from jprefix.block_manager import BlockManager
 from jprefix.cascade import CascadePlan, plan_cascade
 from jprefix.config import SchedulerConfig
 from jprefix.outputs import RequestOutput
+from jprefix.parallel import make_mesh
 from jprefix.prefix_cache import PrefixPool
 from jprefix.runner import ModelRunner
 from jprefix.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class EngineArgs:
     cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off
     cascade_min_blocks: int = 4  # shared blocks before a group pays off
     seed: int = 0
+    tensor_parallel_size: int = 1  # devices the weights and KV heads are split over
     cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
 
     def __post_init__(self):
@@ -73,6 +75,7 @@ class LLMEngine:
             buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
             memory_fraction=self.args.gpu_memory_utilization,
             cpu_num_blocks=self.args.cpu_num_kv_blocks,
+            mesh=make_mesh(cfg, self.args.tensor_parallel_size),
         )
         self.scheduler = self._make_scheduler(self.runner.num_blocks)
         self._pending: collections.deque = collections.deque()

@@ -18,7 +18,7 @@ def step_memory_report(runner: ModelRunner, num_tokens: int = 16) -> dict[str, i
     sched = [SimpleNamespace(seq=seq, start=0, num_new_tokens=num_tokens)]
     ints, floats, layout = flatten_batch(pack_step(sched, runner.block_size, runner.buckets))
     compiled = step.lower(runner.params, runner.kv_cache, ints, floats, layout=layout,
-                          cfg=runner.cfg, backend=runner.backend).compile()
+                          cfg=runner.cfg, backend=runner.backend, mesh=runner.mesh).compile()
     analysis = compiled.memory_analysis()
     return dict(
         kv_bytes=sum(x.nbytes for x in runner.kv_cache),

@@ -17,9 +17,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jprefix.batch import BucketConfig, Layout, flatten_batch, pack_step
 from jprefix.cascade import CascadePlan, pack_cascade
+from jprefix.parallel import kv_sharding, per_shard, shard_params
 from jprefix.sampling import sample
 from models.config import ModelConfig
 from models.llama import compute_logits, forward, unstack_layers
@@ -66,24 +68,32 @@ def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layout", "cfg", "backend", "decode", "greedy"),
+    jax.jit, static_argnames=("layout", "cfg", "backend", "decode", "greedy", "mesh"),
     donate_argnames=("kv_cache",),
 )
 def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array, *, layout: Layout,
-         cfg: ModelConfig, backend: str, decode: bool = False, greedy: bool = False):
+         cfg: ModelConfig, backend: str, decode: bool = False, greedy: bool = False,
+         mesh: Mesh | None = None):
     """One engine step: returns (sampled token ids [S], updated kv_cache).
 
     The batch arrives as two flat buffers (`flatten_batch`). `decode` (every sequence has
     exactly one new token) picks the decode-tiled kernel; `greedy` (every temperature is
     0) skips the sampling machinery. A batch carrying cascade arrays (jprefix.cascade)
-    attends each group's shared prefix once.
+    attends each group's shared prefix once. With a tensor-parallel `mesh`, the KV write
+    and attention run per device on its heads.
     """
     batch = unflatten_batch(ints, floats, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def attn_fn(q, k, v, cache, layer):
-        k_cache, v_cache = write_kv(*cache, layer, k, v, batch["slot_mapping"])
+    def write_and_attend(q, k, v, k_cache, v_cache, layer, batch):
+        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
         out = _attention(backend, decode, q, k_cache, v_cache, layer, batch, scale)
+        return out, k_cache, v_cache
+
+    local = per_shard(write_and_attend, mesh)
+
+    def attn_fn(q, k, v, cache, layer):
+        out, k_cache, v_cache = local(q, k, v, *cache, layer, batch)
         return out, (k_cache, v_cache)
 
     hidden, kv_cache = forward(
@@ -110,15 +120,18 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
 
 
 def auto_num_blocks(
-    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int
+    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int,
+    num_shards: int = 1,
 ) -> int:
     """KV blocks that fit in `memory_fraction` of the device memory free now (`cpu_blocks`
-    where device memory cannot be measured)."""
+    where device memory cannot be measured); each of `num_shards` devices holds 1/num_shards
+    of every block."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         return cpu_blocks
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(2, int(free * memory_fraction) // kv_block_bytes(cfg, block_size, dtype))
+    per_device = kv_block_bytes(cfg, block_size, dtype) // num_shards
+    return max(2, int(free * memory_fraction) // per_device)
 
 
 class ModelRunner:
@@ -136,24 +149,30 @@ class ModelRunner:
         unroll_layers: bool | None = None,
         memory_fraction: float = 0.9,
         cpu_num_blocks: int = 4096,
+        mesh: Mesh | None = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
-        free once the weights are placed."""
+        free once the weights are placed; `mesh` (jprefix.parallel) shards weights and
+        cache for tensor parallelism."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
         if unroll_layers is None:  # GPU: unrolled (no per-layer weight copy); CPU: fast compile
             unroll_layers = jax.default_backend() == "gpu"
+        if mesh is not None:
+            params = shard_params(params, cfg, mesh)
         self.params = unstack_layers(params) if unroll_layers else params
-        self.cfg, self.backend = cfg, backend
+        self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
         if num_blocks is None:
             num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
-                                         cpu_num_blocks)
+                                         cpu_num_blocks, 1 if mesh is None else mesh.size)
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.kv_cache: KVCache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
+                        out_shardings=None if mesh is None else kv_sharding(mesh))
+        self.kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_timing = (0.0, 0.0)
 
@@ -179,7 +198,7 @@ class ModelRunner:
         ints, floats, layout = flatten_batch(batch)
         tokens, self.kv_cache = step(self.params, self.kv_cache, ints, floats, layout=layout,
                                      cfg=self.cfg, backend=self.backend, decode=decode,
-                                     greedy=greedy)
+                                     greedy=greedy, mesh=self.mesh)
         t1 = time.perf_counter()
         host_tokens = np.asarray(tokens)[: len(scheduled)]
         self.last_timing = (t1 - t0, time.perf_counter() - t1)

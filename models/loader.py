@@ -74,6 +74,17 @@ def load(model: str | os.PathLike = DEFAULT_MODEL, dtype: Any = "bfloat16",
     return LoadedModel(params=params, config=cfg, tokenizer=tok, name=name)
 
 
+def model_config(model: str | os.PathLike | ModelConfig, load_format: str = "auto"
+                 ) -> ModelConfig:
+    """The config `load(model, load_format=...)` would use, without loading any weights."""
+    if load_format == "dummy":
+        return _dummy_config(model)
+    path, _ = _resolve(model, load_format)
+    if path.is_dir() and not (path / "config.json").exists():
+        path = _single_gguf(path)
+    return _config_of(path)
+
+
 def _parse_dtype(dtype: Any) -> jnp.dtype:
     if isinstance(dtype, str):
         dtype = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())

@@ -1,0 +1,63 @@
+"""Tensor parallelism over one device mesh axis, "tp" (Megatron-style, through jit).
+
+Weights take `models.llama.param_partition_specs` (Q/K/V and gate/up split by output,
+wo and w_down by input); the KV cache is split on its kv-head axis. XLA's partitioner
+inserts the all-reduces around the matmuls; attention and the KV write run per shard
+under `shard_map`, each device on its own query and kv heads (heads are split in
+contiguous blocks, so query head h still reads kv head h // G locally).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.config import ModelConfig
+from models.llama import param_partition_specs
+
+AXIS = "tp"
+HEADS = PartitionSpec(None, AXIS)  # [T, H, D] activations and [L, K, N, B, D] caches
+REPLICATED = PartitionSpec()
+
+
+def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh | None:
+    """A 1-D "tp" mesh over the first `tensor_parallel_size` devices; None for 1."""
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size {tp!r} must be a positive int")
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the {len(devices)} devices here")
+    for name, heads in (("query heads", cfg.num_heads), ("kv heads", cfg.num_kv_heads)):
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the {heads} {name}")
+    return Mesh(devices[:tp], (AXIS,))
+
+
+def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
+    """Places (stacked-layer) params with their tensor-parallel shardings."""
+    specs = param_partition_specs(cfg, AXIS)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.device_put(params, shardings)
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, HEADS)
+
+
+def per_shard(fn, mesh: Mesh | None):
+    """Runs `fn(q, k, v, k_cache, v_cache, layer, batch) -> (out, k_cache, v_cache)` on
+    each device's heads; unchanged without a mesh."""
+    if mesh is None:
+        return fn
+    return jax.shard_map(
+        fn, mesh=mesh,
+        in_specs=(HEADS, HEADS, HEADS, HEADS, HEADS, REPLICATED, REPLICATED),
+        out_specs=(HEADS, HEADS, HEADS),
+        check_vma=False,
+    )

@@ -1,0 +1,60 @@
+"""Tensor parallelism: greedy tokens on 2 (virtual CPU) devices equal those on one.
+
+Runs in a subprocess because the CPU device count is fixed when jax starts.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    import jprefix
+    from jprefix import LLM, SamplingParams
+    assert len(jax.devices()) == 2, jax.devices()
+    backend = sys.argv[1]
+    tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 200, 24).tolist()
+    prompts = [shared + rng.integers(3, 200, n).tolist() for n in (3, 7, 12)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(tiny, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
+                  attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1)
+        out[tp] = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
+                                                      use_tqdm=False)]
+        if tp == 2:
+            k = llm.engine.runner.kv_cache[0]
+            assert len(k.sharding.device_set) == 2, k.sharding
+            assert k.addressable_shards[0].data.shape[1] == 1  # one of two kv heads each
+    print(json.dumps(out))
+    assert out[1] == out[2], out
+    by_name = LLM("tiny-llama3", tensor_parallel_size=2, dtype="float32", load_format="dummy",
+                  block_size=8, num_kv_blocks=64, attention_backend=backend)
+    wq = by_name.engine.model.params.layers.wq
+    assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // 2  # loaded sharded
+    assert len(by_name.generate(prompts, sp, use_tqdm=False)[0].token_ids) == 6
+    try:
+        LLM(tiny, tensor_parallel_size=3)
+    except ValueError as e:
+        assert "tensor_parallel_size 3" in str(e), e
+    else:
+        raise AssertionError("tp=3 on 2 devices was accepted")
+""")
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
+def test_two_device_tensor_parallel_matches_one_device(backend):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", SCRIPT, backend], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
