@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -97,10 +98,28 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         prefix_pos: int | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
-        """Generates for one prompt while other requests run; cancel to abort it."""
-        seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id)
+        """Generates for one prompt while other requests run; cancel to abort it.
+        Requests with different `cache_salt`s never share cached blocks."""
+        seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id,
+                                        cache_salt)
         return await self._driver.submit(seq)
+
+    def stream_async(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        prefix_pos: int | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[list[int] | RequestOutput]:
+        """Validates the request now (ValueError), then returns an async iterator over the
+        new token ids of each step, ending with the finished RequestOutput. Leaving the
+        loop early aborts the request and frees its blocks."""
+        seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id,
+                                        cache_salt)
+        return self._driver.stream(seq)
 
     def warmup(self, prefixes: list[Any], pin: bool = False) -> list[Any]:
         """Computes each prefix once so later requests hit the cache; returns the Prefix

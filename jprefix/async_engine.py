@@ -1,41 +1,67 @@
 """Drives an LLMEngine from a background thread for asyncio callers.
 
 The thread runs only while requests are in flight and exits when the engine is idle, so
-an idle LLM holds no thread. Results are handed back to each caller's event loop.
+an idle LLM holds no thread. Each request has a queue on its caller's event loop: after
+every step the thread posts the request's new token ids, and finally its RequestOutput.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from jprefix.engine import LLMEngine
 from jprefix.outputs import RequestOutput
 from jprefix.sequence import Sequence
 
 
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    seq: Sequence
+    sent: int = 0  # output tokens already posted
+
+
 class AsyncDriver:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = threading.Lock()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
 
     async def submit(self, seq: Sequence) -> RequestOutput:
         """Queues a validated sequence and waits for its finished output."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        async for item in self.stream(seq):
+            if isinstance(item, RequestOutput):
+                return item
+        raise RuntimeError(f"request {seq.request_id!r} ended without an output")
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[list[int] | RequestOutput]:
+        """Yields lists of new token ids as steps produce them, then the RequestOutput.
+        Leaving the iteration early (or cancelling) aborts the request."""
+        state = _Stream(asyncio.get_running_loop(), asyncio.Queue(), seq)
         with self._lock:
-            if seq.request_id in self._waiters:
+            if seq.request_id in self._streams:
                 raise ValueError(f"request_id {seq.request_id!r} is already in flight")
-            self._waiters[seq.request_id] = (loop, future)
+            self._streams[seq.request_id] = state
             self.engine.add_sequence(seq)
             self._ensure_thread()
+        finished = False
         try:
-            return await future
-        except asyncio.CancelledError:
-            self.engine.abort_request(seq.request_id)
-            raise
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, RequestOutput):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.engine.abort_request(seq.request_id)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -50,32 +76,32 @@ class AsyncDriver:
                     return
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a device failure reaches every waiter, not a dead thread
+            except Exception as exc:  # a device failure reaches every caller, not a dead thread
                 self._fail_all(exc)
                 continue
+            self._post_progress()
             for out in outputs:
-                self._resolve(out)
+                self._finish(out)
 
-    def _resolve(self, out: RequestOutput) -> None:
+    def _post_progress(self) -> None:
         with self._lock:
-            loop, future = self._waiters.pop(out.request_id, (None, None))
-        if loop is not None:
-            loop.call_soon_threadsafe(_set_result, future, out)
+            streams = list(self._streams.values())
+        for s in streams:
+            tokens = s.seq.output_token_ids
+            if len(tokens) > s.sent:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, list(tokens[s.sent :]))
+                s.sent = len(tokens)
+
+    def _finish(self, out: RequestOutput) -> None:
+        with self._lock:
+            s = self._streams.pop(out.request_id, None)
+        if s is not None:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
-            waiters, self._waiters = self._waiters, {}
-            for rid in waiters:
+            streams, self._streams = self._streams, {}
+            for rid in streams:
                 self.engine.abort_request(rid)
-        for loop, future in waiters.values():
-            loop.call_soon_threadsafe(_set_exception, future, exc)
-
-
-def _set_result(future: asyncio.Future, value: RequestOutput) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: Exception) -> None:
-    if not future.done():
-        future.set_exception(exc)
+        for s in streams.values():
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, exc)

@@ -39,7 +39,28 @@ def _build_parser() -> argparse.ArgumentParser:
         help="explicit: share the system prompt's whole blocks (prefix_pos); auto: every full "
         "prompt block; off: no prefix cache",
     )
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
+    srv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    srv.add_argument("--load-format", default="auto")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--tensor-parallel-size", type=int, default=1)
+    srv.add_argument("--max-num-seqs", type=int, default=256)
+    srv.add_argument("--policy", default="fcfs")
     return parser
+
+
+def run_serve(args) -> int:
+    from jprefix import LLM
+    from jprefix.server import serve
+
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+              load_format=args.load_format, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, policy=args.policy)
+    serve(llm, args.host, args.port)
+    return 0
 
 
 def _read_inputs(args) -> tuple[str, list[str]]:
@@ -116,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     return 2
 
 

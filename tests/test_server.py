@@ -1,0 +1,126 @@
+"""The OpenAI-compatible server: completions (plain and streamed) equal the engine's greedy
+output, bad requests get HTTP 400 naming the value while others are served, a client that
+leaves a stream aborts its request, and chat completions use the chat template."""
+
+import json
+
+import numpy as np
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+import jprefix  # noqa: E402
+from jprefix import LLM, SamplingParams  # noqa: E402
+from jprefix.server import build_app  # noqa: E402
+from models.llama import dense_generate  # noqa: E402
+
+PROMPT = np.random.default_rng(0).integers(3, 200, 21).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return jprefix.load("tiny-llama", dtype="float32", load_format="dummy")
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    llm = LLM(tiny, block_size=8, num_kv_blocks=64)
+    with TestClient(build_app(llm)) as c:
+        c.llm = llm
+        yield c
+
+
+def _events(response):
+    lines = [ln for ln in response.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_completion_matches_dense_greedy_and_reports_usage(client, tiny):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "prefix_pos": 16}
+    first = client.post("/v1/completions", json=body).json()
+    second = client.post("/v1/completions", json=body).json()
+    assert first["object"] == "text_completion"
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert first["usage"]["prompt_tokens"] == 21 and first["usage"]["completion_tokens"] == 6
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    out = client.llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6,
+                                                       ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == dense_generate(tiny.params, tiny.config, PROMPT, 6,
+                                           eos_token_ids=())
+
+
+def test_streamed_completion_sends_chunks_then_usage_and_done(client):
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = _events(r)
+    finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"prompt": [], "max_tokens": 2}, "empty"),
+        ({"prompt": [1, 2, 10**7], "max_tokens": 2}, "10000000"),
+        ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+        ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({"prompt": PROMPT, "max_tokens": 10**6}, "exceeds the model context"),
+        ({"prompt": PROMPT, "prefix_pos": 99}, "prefix_len 99"),
+        ({"prompt": PROMPT, "n": 2}, "n 2"),
+        ({"prompt": "text", "max_tokens": 2}, "tokenizer"),
+        ({"max_tokens": 2}, "prompt"),
+        ({"prompt": PROMPT, "stream": True, "top_k": 0}, "top_k"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_value(client, body, match):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert match in r.json()["error"]["message"]
+    ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200  # the engine carries on
+
+
+def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(client):
+    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if '"text"' in line:
+                break  # the client goes away mid-stream
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code \
+        == 200
+    driver = client.llm._driver
+    if driver._thread is not None:
+        driver._thread.join(10)
+    bm = client.llm.engine.scheduler.block_manager
+    assert not client.llm.engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks - 1
+
+
+def test_models_health_and_stats(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
+    assert "num_hit_tokens" in client.get("/stats").json()
+
+
+def test_chat_completion_with_the_real_chat_template(smollm2_gguf):
+    llm = LLM(jprefix.load(smollm2_gguf, dtype="float32"), num_kv_blocks=64)
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say hello."}]
+    with TestClient(build_app(llm)) as c:
+        body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+        reply = c.post("/v1/chat/completions", json=body).json()
+        with c.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+            events = _events(r)
+    text = reply["choices"][0]["message"]["content"]
+    assert reply["object"] == "chat.completion" and text
+    streamed = "".join(e["choices"][0]["delta"].get("content", "")
+                       for e in events if e["choices"])
+    assert streamed == text
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
