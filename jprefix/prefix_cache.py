@@ -16,6 +16,8 @@ from jprefix.prefix_trie import PrefixNode, PrefixTrie, block_hash, prefix_hash_
 
 __all__ = ["Prefix", "PrefixCacheStats", "PrefixNode", "PrefixPool", "PrefixTrie",
            "block_hash", "prefix_hash_of", "root_hash"]
+
+
 @dataclass
 class Prefix:
     """A registered prefix: its whole blocks of token ids under a salt."""
