@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 import time
 from typing import Any
@@ -85,7 +86,7 @@ class LLMEngine:
         self.step_stats: collections.deque = collections.deque(maxlen=100_000)
         self._step_lock = threading.Lock()
         self._rng = np.random.default_rng(self.args.seed)
-        self._counter = 0
+        self._ids = itertools.count()
 
     def _make_scheduler(self, num_blocks: int) -> Scheduler:
         cfg = SchedulerConfig(
@@ -130,7 +131,7 @@ class LLMEngine:
         check_context(len(ids), sp.max_tokens, self.max_model_len)
         prefix_len = check_prefix_len(prefix_len, len(ids))
         if request_id is None:
-            request_id, self._counter = str(self._counter), self._counter + 1
+            request_id = f"jprefix-{next(self._ids)}"  # itertools.count: thread-safe
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         return Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt,
                         seed=seed, prompt=prompt if isinstance(prompt, str) else None)
