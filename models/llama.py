@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
@@ -189,7 +190,9 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
 def unstack_layers(params: Params) -> Params:
     """Params whose `layers` is a tuple of per-layer LayerParams (for the unrolled forward).
 
-    The split copies the layer weights once; the stacked arrays are freed when the caller
+    The split copies the layer weights once, field by field; a field sharded over a mesh
+    stays sharded the same way (its spec without the layer axis), so a tensor-parallel
+    model is never gathered onto one device. The stacked arrays are freed when the caller
     drops them.
     """
     stacked = params.layers
@@ -197,10 +200,21 @@ def unstack_layers(params: Params) -> Params:
     fields = {}
     for f in dataclasses.fields(LayerParams):
         value = getattr(stacked, f.name)
-        fields[f.name] = [None] * num_layers if value is None else list(value)
+        fields[f.name] = [None] * num_layers if value is None else _split_layers(value)
     layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
                    for i in range(num_layers))
     return dataclasses.replace(params, layers=layers)
+
+
+def _split_layers(x: jax.Array) -> list[jax.Array]:
+    sharding = x.sharding
+    out = None
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        out = NamedSharding(sharding.mesh, P(*spec[1:]))
+    split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])),
+                    out_shardings=None if out is None else (out,) * x.shape[0])
+    return list(split(x))
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -28,13 +28,17 @@ SCRIPT = textwrap.dedent("""
     out = {}
     for tp in (1, 2):
         llm = LLM(tiny, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
-                  attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1)
+                  attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1,
+                  unroll_layers=backend == "xla")  # both layer layouts: GPU unrolls
         out[tp] = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
                                                       use_tqdm=False)]
         if tp == 2:
             k = llm.engine.runner.kv_cache[0]
             assert len(k.sharding.device_set) == 2, k.sharding
             assert k.addressable_shards[0].data.shape[1] == 1  # one of two kv heads each
+            layers = llm.engine.runner.params.layers
+            wq = layers[0].wq if isinstance(layers, tuple) else layers.wq
+            assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // 2, wq.sharding
     print(json.dumps(out))
     assert out[1] == out[2], out
     by_name = LLM("tiny-llama3", tensor_parallel_size=2, dtype="float32", load_format="dummy",
