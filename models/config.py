@@ -151,6 +151,8 @@ PRESETS: dict[str, ModelConfig] = {
         "llama", 49152, 576, 1536, 30, 9, 3, 64, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True),
     "tiny-llama": _tiny("llama"),
+    # long context, for CPU runs of the benchmarks' token layouts (e.g. 1024-token prefixes)
+    "tiny-llama-4k": _tiny("llama", max_position_embeddings=4096),
     "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 64)),
     "tiny-mistral": _tiny("mistral", rope_theta=1e6),
     "tiny-qwen2": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True),
