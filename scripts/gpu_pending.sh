@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs this session could not make (device time spent). One call, ~9 minutes:
-# engine re-run after the two-buffer transfer, HF static-cache peer, RESULTS rows (d), (e).
+# engine re-run after the two-buffer transfer, HF static-cache peer, RESULTS rows (b) at
+# 1,024 KV blocks, (d), (e).
 # ShareGPT for (e) is pre-tokenized on the CPU machine first (it travels with the tree):
 #   python scripts/datasets.py sharegpt --num-prompts 1000 --output bench_data/sharegpt_smollm2_1000.json
 # then run with carry=["bench_data"].
@@ -18,5 +19,8 @@ for cache in "" "--no-enable-prefix-caching"; do
     --num-prompts 150 --request-rate 16 --latency-bound-ms 320 --latency-metric mean \
     --sweep-steps 2 $cache --output-json "$OUT/d${cache:+_off}.json" 2>&1 | quiet | tail -8
 done
+timeout 150 python3 scripts/bench_throughput.py $M --num-prompts 256 --num-prefixes 32 \
+  --input-len 1088 --prefix-len 1024 --output-len 64 --num-kv-blocks 1024 \
+  --policy fcfs greedy:max_wait=120 lpm:max_wait=120 --output-json "$OUT/b_1024.json" 2>&1 | quiet | tail -6
 timeout 100 python3 scripts/bench_throughput.py $M --dataset bench_data/sharegpt_smollm2_1000.json \
   --num-prompts 200 --compare-caching --output-json "$OUT/e_sharegpt.json" 2>&1 | quiet | tail -6
