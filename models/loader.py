@@ -172,9 +172,6 @@ def _tokenizer(source: str | os.PathLike | None) -> Any:
 
 
 def _gguf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
+    from models.gguf_tokenizer import gguf_tokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # transformers raises many types for unusual GGUF vocabularies
-        raise ValueError(f"{path}: could not build a tokenizer from the GGUF: {e}") from e
+    return gguf_tokenizer(path)
