@@ -22,6 +22,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     seq: Sequence
+    progress: bool  # post new token ids after each step (streaming callers only)
     sent: int = 0  # output tokens already posted
 
 
@@ -34,15 +35,15 @@ class AsyncDriver:
 
     async def submit(self, seq: Sequence) -> RequestOutput:
         """Queues a validated sequence and waits for its finished output."""
-        async for item in self.stream(seq):
-            if isinstance(item, RequestOutput):
-                return item
+        async for item in self.stream(seq, progress=False):
+            return item
         raise RuntimeError(f"request {seq.request_id!r} ended without an output")
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[list[int] | RequestOutput]:
-        """Yields lists of new token ids as steps produce them, then the RequestOutput.
-        Leaving the iteration early (or cancelling) aborts the request."""
-        state = _Stream(asyncio.get_running_loop(), asyncio.Queue(), seq)
+    async def stream(self, seq: Sequence, progress: bool = True
+                     ) -> AsyncIterator[list[int] | RequestOutput]:
+        """Yields lists of new token ids as steps produce them (if `progress`), then the
+        RequestOutput. Leaving the iteration early (or cancelling) aborts the request."""
+        state = _Stream(asyncio.get_running_loop(), asyncio.Queue(), seq, progress)
         with self._lock:
             if seq.request_id in self._streams:
                 raise ValueError(f"request_id {seq.request_id!r} is already in flight")
@@ -85,12 +86,14 @@ class AsyncDriver:
 
     def _post_progress(self) -> None:
         with self._lock:
-            streams = list(self._streams.values())
+            streams = [s for s in self._streams.values() if s.progress]
         for s in streams:
-            tokens = s.seq.output_token_ids
-            if len(tokens) > s.sent:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, list(tokens[s.sent :]))
-                s.sent = len(tokens)
+            n = s.seq.num_output_tokens
+            if n > s.sent:
+                start = s.seq.num_prompt_tokens
+                new = s.seq.all_token_ids[start + s.sent : start + n]  # only the new ids
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, new)
+                s.sent = n
 
     def _finish(self, out: RequestOutput) -> None:
         with self._lock:
