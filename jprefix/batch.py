@@ -31,8 +31,10 @@ class BucketConfig:
 def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[str, np.ndarray]:
     """Builds the step's input arrays from a list of ScheduledSeq.
 
-    Returns token_ids/positions/slot_mapping [T], block_tables [S, M], kv_lens [S],
-    cu_q_lens [S+1], logits_idx [S] and the sampling arrays [S].
+    Returns token_ids/positions/slot_mapping/token_src [T], block_tables [S, M],
+    kv_lens [S], cu_q_lens [S+1], logits_idx [S] and the sampling arrays [S]. A token
+    still pending on the host (sampled by the step before, async scheduling) has
+    `token_src` = its row in that step's device output (-1 for every known token).
     """
     q_lens = np.fromiter((sc.num_new_tokens for sc in scheduled), np.int32, len(scheduled))
     num_tokens = int(q_lens.sum())
@@ -47,10 +49,16 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
     cu_q_lens = np.full(S + 1, num_tokens, np.int32)
     cu_q_lens[0] = 0
     cu_q_lens[1 : len(scheduled) + 1] = np.cumsum(q_lens)
+    token_src = np.full(T, -1, np.int32)
     for i, sc in enumerate(scheduled):
         lo, hi = cu_q_lens[i], cu_q_lens[i + 1]
         end = sc.start + sc.num_new_tokens
-        token_ids[lo:hi] = sc.seq.all_token_ids[sc.start : end]
+        known = sc.seq.all_token_ids[sc.start : end]
+        token_ids[lo : lo + len(known)] = known
+        if len(known) < hi - lo:  # only the newest token can be pending
+            if len(known) != hi - lo - 1:
+                raise RuntimeError(f"{sc.seq!r}: more than one pending token scheduled")
+            token_src[hi - 1] = sc.seq.pending_row
         positions[lo:hi] = np.arange(sc.start, end, dtype=np.int32)
         block_tables[i, : len(sc.seq.block_table)] = sc.seq.block_table
         kv_lens[i] = end
@@ -66,6 +74,7 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
         token_ids=token_ids,
         positions=positions,
         slot_mapping=slot_mapping,
+        token_src=token_src,
         block_tables=block_tables,
         kv_lens=kv_lens,
         cu_q_lens=cu_q_lens,
@@ -86,7 +95,8 @@ def _sampling_arrays(scheduled: Seq, S: int) -> dict[str, np.ndarray]:
         top_k[i] = sp.top_k
         top_p[i] = sp.top_p
         seeds[i] = sc.seq.seed
-        counters[i] = len(sc.seq.output_token_ids)
+        # index of the output token sampled from this row
+        counters[i] = sc.start + sc.num_new_tokens - len(sc.seq.prompt_token_ids)
     return dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
 
 

@@ -48,6 +48,9 @@ class EngineArgs:
     enable_cascade: bool = True  # decode attends each shared prefix once per group
     cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off
     cascade_min_blocks: int = 4  # shared blocks before a group pays off
+    # Schedule and dispatch step N+1 before step N's tokens reach the host, so the host
+    # work of a step overlaps the device's; a stop found one step late costs one slot.
+    async_scheduling: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over
     cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
@@ -60,6 +63,14 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"
             )
+
+
+@dataclasses.dataclass
+class _InFlight:
+    out: Any  # SchedulerOutput
+    handle: Any  # runner.StepHandle
+    t_start: float
+    t_dispatched: float
 
 
 class LLMEngine:
@@ -77,6 +88,7 @@ class LLMEngine:
             memory_fraction=self.args.gpu_memory_utilization,
             cpu_num_blocks=self.args.cpu_num_kv_blocks,
             mesh=make_mesh(cfg, self.args.tensor_parallel_size),
+            max_num_seqs=self.args.max_num_seqs,
         )
         self.scheduler = self._make_scheduler(self.runner.num_blocks)
         self._pending: collections.deque = collections.deque()
@@ -85,6 +97,8 @@ class LLMEngine:
         # (num_seqs, num_tokens, host_s, step_s, device_wait_s) of recent steps
         self.step_stats: collections.deque = collections.deque(maxlen=100_000)
         self._step_lock = threading.Lock()
+        self._inflight: _InFlight | None = None  # dispatched, tokens not yet processed
+        self._last_processed = 0.0
         self._rng = np.random.default_rng(self.args.seed)
         self._ids = itertools.count()
 
@@ -151,33 +165,46 @@ class LLMEngine:
         self._aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        return (bool(self._pending) or self.scheduler.has_unfinished()
+                or self._inflight is not None)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished (or were aborted) in it."""
+        """One engine step: schedules and dispatches a step, and processes the tokens of
+        the step before it (async scheduling) or of this one; returns the requests that
+        finished (or were aborted, or can never fit) in what it processed."""
         with self._step_lock:
             t0 = time.perf_counter()
-            aborted = self._drain_queues()
+            finished = self._drain_queues()
             out = self.scheduler.schedule()
-            if not out.scheduled:
-                return self._collect(aborted + self.scheduler.update(out, {}))
-            t1 = time.perf_counter()
-            tokens = self.runner.execute(out.scheduled, self._cascade_plan(out.scheduled))
-            t2 = time.perf_counter()
-            sampled = {
-                sc.seq.request_id: int(t)
-                for sc, t in zip(out.scheduled, tokens, strict=True)
-                if sc.sample
-            }
-            now = time.monotonic()
-            for sc in out.scheduled:
-                if sc.sample and sc.seq.first_token_time is None:
-                    sc.seq.first_token_time = now
-            finished = aborted + self.scheduler.update(out, sampled)
-            finished += self._check_stop_strings(out.scheduled, sampled)
-            outputs = self._collect(finished)
-            self._record(out, t0, t1, t2)
-            return outputs
+            finished += out.ignored
+            launched = None
+            if out.scheduled:
+                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out.scheduled))
+                launched = _InFlight(out, handle, t0, time.perf_counter())
+            if self.args.async_scheduling:
+                done, self._inflight = self._inflight, launched
+            else:
+                done = launched
+            if done is not None:
+                finished += self._process(done)
+            return self._collect(finished)
+
+    def _process(self, done: _InFlight) -> list[Sequence]:
+        """Fetches a dispatched step's tokens and applies them; returns who finished."""
+        tokens = self.runner.fetch(done.handle)
+        t_fetched = time.perf_counter()
+        scheduled = done.out.scheduled
+        sampled = {
+            sc.seq.request_id: int(t) for sc, t in zip(scheduled, tokens, strict=True) if sc.sample
+        }
+        now = time.monotonic()
+        for sc in scheduled:
+            if sc.sample and sc.seq.first_token_time is None:
+                sc.seq.first_token_time = now
+        finished = self.scheduler.update(done.out, sampled)
+        finished += self._check_stop_strings(scheduled, sampled)
+        self._record(done, t_fetched)
+        return finished
 
     def _cascade_plan(self, scheduled) -> CascadePlan | None:
         if not (self.args.enable_cascade and self.args.enable_prefix_caching):
@@ -186,12 +213,18 @@ class LLMEngine:
                             self.scheduler.block_manager.ref_count,
                             self.args.cascade_min_group, self.args.cascade_min_blocks)
 
-    def _record(self, out, t0: float, t1: float, t2: float) -> None:
-        """Per-step timing: host seconds (schedule, pack, dispatch, postprocess) vs total."""
-        pack, wait = self.runner.last_timing
+    def _record(self, done: _InFlight, t_fetched: float) -> None:
+        """Per-step timing: host seconds (schedule, pack, dispatch, postprocess); the
+        step's period, from the step before it processed (or from its own start, after
+        idling) to its tokens processed; and seconds blocked on the device. With async
+        scheduling a step's host work overlaps the device's work on the step before."""
+        wait = self.runner.last_timing[1]
         end = time.perf_counter()
-        host = (t1 - t0) + pack + (end - t2)
-        self.step_stats.append((len(out.scheduled), out.num_batched_tokens, host, end - t0, wait))
+        host = (done.t_dispatched - done.t_start) + (end - t_fetched)
+        period = end - max(self._last_processed, done.t_start)
+        self._last_processed = end
+        self.step_stats.append((len(done.out.scheduled), done.out.num_batched_tokens, host,
+                                period, wait))
 
     def _drain_queues(self) -> list[Sequence]:
         """Moves queued requests into the scheduler; returns the sequences aborted."""

@@ -12,14 +12,14 @@ import functools
 import math
 import time
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jprefix.batch import BucketConfig, Layout, flatten_batch, pack_step
+from jprefix.batch import BucketConfig, Layout, bucket, flatten_batch, pack_step
 from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.parallel import kv_sharding, per_shard, shard_params
 from jprefix.sampling import sample
@@ -30,6 +30,14 @@ from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
+
+
+class StepHandle(NamedTuple):
+    """A dispatched step: its device output, live rows, and the cascade row order."""
+
+    tokens: jax.Array
+    num_rows: int
+    order: list[int] | None
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
 
@@ -71,12 +79,15 @@ def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[
     jax.jit, static_argnames=("layout", "cfg", "backend", "decode", "greedy", "mesh"),
     donate_argnames=("kv_cache",),
 )
-def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array, *, layout: Layout,
-         cfg: ModelConfig, backend: str, decode: bool = False, greedy: bool = False,
-         mesh: Mesh | None = None):
-    """One engine step: returns (sampled token ids [S], updated kv_cache).
+def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array,
+         prev_tokens: jax.Array, *, layout: Layout, cfg: ModelConfig, backend: str,
+         decode: bool = False, greedy: bool = False, mesh: Mesh | None = None):
+    """One engine step: returns (sampled token ids [P], updated kv_cache), P =
+    `prev_tokens.size` (rows beyond the batch are padding).
 
-    The batch arrives as two flat buffers (`flatten_batch`). `decode` (every sequence has
+    The batch arrives as two flat buffers (`flatten_batch`). Tokens still pending on the
+    host read their id from `prev_tokens`, the previous step's output (async
+    scheduling: this step was dispatched before that one's ids reached the host). `decode` (every sequence has
     exactly one new token) picks the decode-tiled kernel; `greedy` (every temperature is
     0) skips the sampling machinery. A batch carrying cascade arrays (jprefix.cascade)
     attends each group's shared prefix once. With a tensor-parallel `mesh`, the KV write
@@ -84,6 +95,8 @@ def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array, *, layou
     """
     batch = unflatten_batch(ints, floats, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
+    src = batch["token_src"]
+    token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], batch["token_ids"])
 
     def write_and_attend(q, k, v, k_cache, v_cache, layer, batch):
         k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
@@ -96,21 +109,14 @@ def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array, *, layou
         out, k_cache, v_cache = local(q, k, v, *cache, layer, batch)
         return out, (k_cache, v_cache)
 
-    hidden, kv_cache = forward(
-        params, cfg, batch["token_ids"], batch["positions"], kv_cache, attn_fn
-    )
+    hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn)
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_cache
-    tokens = sample(
-        logits,
-        batch["temperature"],
-        batch["top_k"],
-        batch["top_p"],
-        batch["seeds"],
-        batch["counters"],
-    )
-    return tokens, kv_cache
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
+                        batch["seeds"], batch["counters"])
+    return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
@@ -150,6 +156,7 @@ class ModelRunner:
         memory_fraction: float = 0.9,
         cpu_num_blocks: int = 4096,
         mesh: Mesh | None = None,
+        max_num_seqs: int = 256,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (jprefix.parallel) shards weights and
@@ -175,13 +182,15 @@ class ModelRunner:
         self.kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_timing = (0.0, 0.0)
+        # every step returns max_rows token ids: the next step may read its pending ones
+        self.max_rows = bucket(max_num_seqs, self.buckets.min_seqs)
+        self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
 
-    def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
-        """Runs one step; returns the sampled token of every scheduled sequence (in
-        `scheduled` order, also when a cascade `plan` regroups them).
+    def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None) -> StepHandle:
+        """Packs and launches one step without waiting for it; `fetch` gets its tokens.
 
-        Records (host seconds to pack and dispatch, seconds waiting for the device) in
-        `last_timing`.
+        A row whose newest token is pending reads it from the previous dispatch's
+        output. Records each sampling row's output row in `seq.pending_row`.
         """
         t0 = time.perf_counter()
         if plan is not None:
@@ -195,15 +204,32 @@ class ModelRunner:
         self.shapes_seen.add(
             (len(batch["token_ids"]), *batch["block_tables"].shape, decode, plan is not None)
         )
+        if len(batch["kv_lens"]) > self.max_rows:
+            raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
         ints, floats, layout = flatten_batch(batch)
-        tokens, self.kv_cache = step(self.params, self.kv_cache, ints, floats, layout=layout,
-                                     cfg=self.cfg, backend=self.backend, decode=decode,
-                                     greedy=greedy, mesh=self.mesh)
-        t1 = time.perf_counter()
-        host_tokens = np.asarray(tokens)[: len(scheduled)]
-        self.last_timing = (t1 - t0, time.perf_counter() - t1)
-        if plan is None:
+        tokens, self.kv_cache = step(self.params, self.kv_cache, ints, floats, self._last_tokens,
+                                     layout=layout, cfg=self.cfg, backend=self.backend,
+                                     decode=decode, greedy=greedy, mesh=self.mesh)
+        self._last_tokens = tokens
+        for row, sc in enumerate(scheduled):
+            if sc.sample:
+                sc.seq.pending_row = row
+        self.last_timing = (time.perf_counter() - t0, 0.0)
+        return StepHandle(tokens, len(scheduled), None if plan is None else plan.order)
+
+    def fetch(self, handle: StepHandle) -> np.ndarray:
+        """Waits for a dispatched step; returns the sampled token of every scheduled
+        sequence, in `scheduled` order (also when a cascade plan regrouped them)."""
+        t0 = time.perf_counter()
+        host_tokens = np.asarray(handle.tokens)[: handle.num_rows]
+        self.last_timing = (self.last_timing[0], time.perf_counter() - t0)
+        if handle.order is None:
             return host_tokens
         unordered = np.empty_like(host_tokens)
-        unordered[plan.order] = host_tokens
+        unordered[handle.order] = host_tokens
         return unordered
+
+    def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
+        """Runs one step and waits for it (`dispatch` + `fetch`). Records (host seconds to
+        pack and dispatch, seconds waiting for the device) in `last_timing`."""
+        return self.fetch(self.dispatch(scheduled, plan))

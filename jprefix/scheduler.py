@@ -8,6 +8,11 @@ this step are inserted into the trie at schedule time, so a sequence scheduled l
 the same step can share them (the runner writes each layer's K/V before attending).
 When blocks run out, unreferenced cached blocks are evicted (LRU, leaves first), then
 the most recently arrived running sequence is preempted by recompute.
+
+Scheduled tokens count as computed as soon as they are scheduled (the device runs the
+steps in order), and a sampled token counts as pending until `update` appends it. So the
+next step can be scheduled while this one still runs (async scheduling): a sequence whose
+newest token is pending decodes it from the previous step's device output.
 """
 
 from __future__ import annotations
@@ -23,16 +28,30 @@ from jprefix.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """Compute `seq.all_token_ids[start:start+num_new_tokens]` at positions start..;
-    `sample` (fixed at schedule time) says whether the step samples a token for it."""
+    """Compute the tokens at positions start..start+num_new_tokens-1 of `seq` (the last
+    of them may still be pending: sampled by the step before, not yet on the host);
+    `sample` says whether the step samples the token after them."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
-    sample: bool = field(init=False)
+    sample: bool
 
-    def __post_init__(self):
-        object.__setattr__(self, "sample", self.start + self.num_new_tokens == self.seq.num_tokens)
+
+def synthetic_rows(contexts, block_tables, num_new, sampling_params=None,
+                   seeds=None) -> list[ScheduledSeq]:
+    """Rows that compute the last `num_new[i]` tokens of `contexts[i]` (all sampled),
+    over the given block tables: for benchmarks and checks that drive the runner
+    without a scheduler. Greedy unless `sampling_params` says otherwise."""
+    from jprefix.sampling_params import SamplingParams
+
+    sp = sampling_params or SamplingParams(temperature=0.0, max_tokens=1)
+    rows = []
+    for i, (ctx, table, n) in enumerate(zip(contexts, block_tables, num_new, strict=True)):
+        seq = Sequence(f"synthetic-{i}", list(ctx), sp, seed=0 if seeds is None else seeds[i])
+        seq.block_table = list(table)
+        rows.append(ScheduledSeq(seq, len(ctx) - n, n, True))
+    return rows
 
 
 @dataclass
@@ -106,8 +125,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = self._reserve_running(seq, min(seq.num_tokens - seq.num_computed_tokens, budget),
-                                      out)
+            remaining = seq.num_scheduled_tokens - seq.num_computed_tokens
+            if remaining == 0 or self._at_max_tokens(seq):
+                continue  # its pending token is the last, or the step before it runs
+            n = self._reserve_running(seq, min(remaining, budget), out)
             if n:
                 out.scheduled.append(self._commit(seq, n))
                 budget -= n
@@ -118,7 +139,8 @@ class Scheduler:
         while (fit := self._tokens_that_fit(seq, n)) == 0:
             victim = next(reversed(self.running.values()))
             if victim is seq and len(self.running) == 1:
-                self._ignore(seq, out)  # alone and still out of blocks: can never fit
+                if not seq.num_pending:  # (a pending token may yet finish it)
+                    self._ignore(seq, out)  # alone and still out of blocks: can never fit
                 return 0
             self._preempt(victim, out)
             if victim is seq:
@@ -129,7 +151,7 @@ class Scheduler:
         self.waiting.begin_round()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            if seq is None:
+            if seq is None or seq.num_pending:  # preempted while its last token was in flight
                 break
             if self._never_fits(seq):
                 self._ignore(seq, out)
@@ -169,13 +191,22 @@ class Scheduler:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def _commit(self, seq: Sequence, n: int) -> ScheduledSeq:
-        """Allocates blocks for n more tokens and registers the blocks they fill."""
-        end = seq.num_computed_tokens + n
+        """Allocates blocks for n more tokens, registers the blocks they fill (of known
+        tokens), and counts the n tokens computed and a sampled one pending."""
+        start = seq.num_computed_tokens
+        end = start + n
         need = self.block_manager.blocks_for(end) - len(seq.block_table)
         seq.block_table.extend(self.block_manager.allocate(need))
         if self.config.enable_prefix_caching:
             self.prefix_pool.register_blocks(seq, end, self._shareable_blocks(seq))
-        return ScheduledSeq(seq, seq.num_computed_tokens, n)
+        sample = end == seq.num_scheduled_tokens
+        seq.num_computed_tokens = end
+        seq.num_pending += sample
+        return ScheduledSeq(seq, start, n, sample)
+
+    @staticmethod
+    def _at_max_tokens(seq: Sequence) -> bool:
+        return seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens
 
     def _tokens_that_fit(self, seq: Sequence, n: int) -> int:
         capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
@@ -218,15 +249,16 @@ class Scheduler:
     # -- update ----------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Applies a step's results; returns the sequences finished by it (including
-        `output.ignored`). `sampled` maps request_id -> token for every `sample` entry."""
-        finished = list(output.ignored)
+        """Applies a step's sampled tokens; returns the sequences they finished (not
+        `output.ignored`, which were finished at schedule time). `sampled` maps
+        request_id -> token for every `sample` entry."""
+        finished = []
         for s in output.scheduled:
             seq = s.seq
             if seq.is_finished():  # aborted or stopped between schedule and update
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
             if s.sample:
+                seq.num_pending -= 1
                 seq.append_token(sampled[seq.request_id])
                 reason = self._stop_reason(seq)
                 if reason is not None:

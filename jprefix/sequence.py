@@ -64,6 +64,10 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks of block_table that are trie nodes
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
+        # Async scheduling: tokens sampled by steps in flight, not yet appended, and the
+        # row of the last such step's device output that holds the newest of them.
+        self.num_pending = 0
+        self.pending_row = -1
         self.seed = seed  # sampling stream: fold_in(key(seed), num_output_tokens)
         self.prompt = prompt  # the prompt text, when it was given as text
         self.first_token_time: float | None = None
@@ -81,6 +85,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus those that steps in flight are sampling."""
+        return len(self._token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

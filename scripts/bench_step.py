@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import time
-from types import SimpleNamespace
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -23,23 +22,18 @@ import numpy as np  # noqa: E402
 
 from jprefix import LLM, load  # noqa: E402
 from jprefix.memcheck import step_memory_report  # noqa: E402
+from jprefix.scheduler import synthetic_rows  # noqa: E402
 
 COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200
 
 
 def fake_decode_batch(batch: int, context: int, block_size: int, num_blocks: int, rng):
-    greedy = SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0)
     per_seq = -(-context // block_size)
     if batch * per_seq >= num_blocks:
         raise ValueError(f"batch {batch} x {per_seq} blocks exceeds the {num_blocks}-block cache")
     ids = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq].reshape(batch, per_seq)
-    scheduled = []
-    for b in range(batch):
-        seq = SimpleNamespace(all_token_ids=rng.integers(10, 1000, context).tolist(),
-                              block_table=ids[b].tolist(), sampling_params=greedy, seed=b,
-                              output_token_ids=[])
-        scheduled.append(SimpleNamespace(seq=seq, start=context - 1, num_new_tokens=1))
-    return scheduled
+    contexts = rng.integers(10, 1000, (batch, context)).tolist()
+    return synthetic_rows(contexts, ids.tolist(), [1] * batch, seeds=list(range(batch)))
 
 
 def time_step(runner, scheduled, reps: int) -> float:

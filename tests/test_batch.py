@@ -1,19 +1,22 @@
 """Step packing: slots follow block tables, padding goes to the null block, shapes bucket."""
 
-from types import SimpleNamespace
-
 import numpy as np
 
 from jprefix.batch import BucketConfig, bucket, flatten_batch, pack_step
+from jprefix.sampling_params import SamplingParams
+from jprefix.scheduler import ScheduledSeq
+from jprefix.sequence import Sequence
 
 B = 4
 
 
 def _sched(tokens, blocks, start, n, out=()):
-    sp = SimpleNamespace(temperature=0.5, top_k=3, top_p=0.9)
-    seq = SimpleNamespace(all_token_ids=list(tokens) + list(out), block_table=blocks,
-                          sampling_params=sp, seed=7, output_token_ids=list(out))
-    return SimpleNamespace(seq=seq, start=start, num_new_tokens=n)
+    sp = SamplingParams(temperature=0.5, top_k=3, top_p=0.9)
+    seq = Sequence("r", list(tokens), sp, seed=7)
+    for t in out:
+        seq.append_token(t)
+    seq.block_table = list(blocks)
+    return ScheduledSeq(seq, start, n, start + n == seq.num_tokens)
 
 
 def test_bucket_is_next_power_of_two():
@@ -25,7 +28,7 @@ def test_pack_places_every_token_at_its_slot():
     scheduled = [
         _sched(range(100, 110), [5, 9, 2], 0, 10),  # plain prefill
         _sched(range(200, 209), [7, 3, 11], 8, 1),  # prefix-cached: 8 cached, 1 new
-        _sched(range(300, 306), [4, 6], 5, 1, out=[42]),  # decode
+        _sched(range(300, 306), [4, 6], 6, 1, out=[42]),  # decode of output 0
     ]
     rng.shuffle(scheduled)
     b = pack_step(scheduled, B, BucketConfig(min_tokens=16, min_seqs=8, min_blocks=4))
@@ -44,6 +47,20 @@ def test_pack_places_every_token_at_its_slot():
     assert (b["cu_q_lens"][len(scheduled):] == n).all()  # padding sequences have q_len 0
     assert (b["kv_lens"][len(scheduled):] == 0).all()
     assert b["temperature"][0] == np.float32(0.5) and b["top_k"][0] == 3
+    assert (b["token_src"] == -1).all()  # every token known on the host
+    decode = [i for i, sc in enumerate(scheduled) if sc.seq.num_output_tokens][0]
+    assert b["counters"][decode] == 1  # samples its second output token
+
+
+def test_pending_token_reads_the_previous_steps_output_row():
+    sc = _sched(range(300, 306), [4, 6], 6, 1)  # position 6 is not on the host yet
+    sc.seq.num_pending, sc.seq.pending_row = 1, 5
+    other = _sched(range(10, 13), [3], 0, 3)
+    b = pack_step([other, sc], B, BucketConfig())
+    assert b["token_src"].tolist()[:4] == [-1, -1, -1, 5]
+    assert (b["token_src"][4:] == -1).all()
+    assert b["positions"][3] == 6 and b["kv_lens"][1] == 7
+    assert b["counters"][1] == 1  # the pending token is output 0; this row samples output 1
 
 
 def test_flatten_batch_round_trips_through_two_buffers():

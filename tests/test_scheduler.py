@@ -43,19 +43,53 @@ class FakeRunner:
     def _slot(self, seq: Sequence, pos: int) -> tuple[int, int]:
         return seq.block_table[pos // self.block_size], pos % self.block_size
 
-    def execute(self, out) -> dict[str, int]:
+    def execute(self, out, pending: dict[str, int] | None = None) -> dict[str, int]:
+        """`pending` holds the tokens sampled by the step before, not yet appended on the
+        host (async scheduling); the device reads them from that step's output."""
+
+        def tokens(seq: Sequence, end: int) -> list[int]:
+            ids = seq.all_token_ids[:end]
+            if len(ids) < end:
+                assert len(ids) == end - 1, seq  # only the newest token may be pending
+                ids = ids + [pending[seq.request_id]]
+            return ids
+
         for s in out.scheduled:  # write then attend, as the runner does per layer
-            assert s.start == s.seq.num_computed_tokens and 0 not in s.seq.block_table
+            assert s.start + s.num_new_tokens <= s.seq.num_computed_tokens
+            assert 0 not in s.seq.block_table
+            ids = tokens(s.seq, s.start + s.num_new_tokens)
             for pos in range(s.start, s.start + s.num_new_tokens):
-                self.slots[self._slot(s.seq, pos)] = (pos, s.seq.all_token_ids[pos])
+                self.slots[self._slot(s.seq, pos)] = (pos, ids[pos])
         sampled = {}
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
             context = [self.slots[self._slot(s.seq, p)] for p in range(end)]
-            assert context == list(enumerate(s.seq.all_token_ids[:end])), s.seq
+            assert context == list(enumerate(tokens(s.seq, end))), s.seq
             if s.sample:
                 sampled[s.seq.request_id] = next_token([t for _, t in context])
         return sampled
+
+
+class AsyncStepper:
+    """Drives the scheduler as the engine does with async scheduling: step N+1 is
+    scheduled and run before step N's tokens are applied."""
+
+    def __init__(self, sched: Scheduler, runner: FakeRunner):
+        self.sched, self.runner, self.inflight = sched, runner, None
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or self.inflight is not None
+
+    def step(self):
+        out = self.sched.schedule()
+        check(self.sched)
+        sampled = self.runner.execute(out, self.inflight[1] if self.inflight else {})
+        finished = list(out.ignored)
+        if self.inflight is not None:
+            finished += self.sched.update(*self.inflight)
+            check(self.sched)
+        self.inflight = (out, sampled) if out.scheduled else None
+        return out, finished
 
 
 def make(num_blocks=64, block_size=4, **cfg) -> tuple[Scheduler, FakeRunner]:
@@ -86,7 +120,7 @@ def check(sched: Scheduler) -> None:
 def step(sched: Scheduler, runner: FakeRunner):
     out = sched.schedule()
     check(sched)
-    finished = sched.update(out, runner.execute(out))
+    finished = out.ignored + sched.update(out, runner.execute(out))
     check(sched)
     return out, finished
 
@@ -213,7 +247,7 @@ def test_a_request_that_can_never_fit_finishes_with_an_error():
     sched.add(small)
     out = sched.schedule()
     assert out.ignored == [big] and [s.seq for s in out.scheduled] == [small]
-    finished = sched.update(out, runner.execute(out))
+    finished = out.ignored + sched.update(out, runner.execute(out))
     assert big in finished and big.finish_reason == "error"
     grows = seq("grows", [4, 5, 6], max_tokens=4)  # outgrows the 2 blocks while running
     sched.add(grows)
@@ -287,6 +321,7 @@ requests = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    async_=st.booleans(),
     reqs=requests,
     block_size=st.sampled_from([2, 4]),
     num_blocks=st.integers(4, 32),
@@ -296,11 +331,12 @@ requests = st.lists(
     caching=st.booleans(),
 )
 def test_random_workload_completes_with_balanced_refs(
-    reqs, block_size, num_blocks, budget, max_num_seqs, chunked, caching
+    async_, reqs, block_size, num_blocks, budget, max_num_seqs, chunked, caching
 ):
     sched, runner = make(num_blocks, block_size, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                          enable_prefix_caching=caching)
+    stepper = AsyncStepper(sched, runner) if async_ else None
     seqs = []
     for i, r in enumerate(reqs):
         prompt = PREFIXES[r.prefix] + r.tail
@@ -313,9 +349,13 @@ def test_random_workload_completes_with_balanced_refs(
                 sched.add(s)
             if r.abort == t and r.arrive < t:
                 sched.abort(s.request_id)
-        if t > max(r.arrive for r in reqs) and not sched.has_unfinished():
+        busy = stepper.busy() if stepper else sched.has_unfinished()
+        if t > max(r.arrive for r in reqs) and not busy:
             break
-        step(sched, runner)
+        if stepper:
+            stepper.step()
+        else:
+            step(sched, runner)
     else:
         raise AssertionError("workload did not finish")
     bm = sched.block_manager
@@ -329,3 +369,30 @@ def test_random_workload_completes_with_balanced_refs(
         if s.finish_reason == "error":  # only a request that truly cannot fit
             too_big = bm.blocks_for(s.num_tokens) > bm.num_blocks - 1
             assert too_big or (not chunked and s.num_tokens > budget)
+
+
+def test_async_scheduling_matches_sync_and_stops_on_time():
+    """Step N+1 is scheduled before step N's tokens arrive: outputs are unchanged, no
+    row is ever scheduled past max_tokens, and a stop token costs at most one extra row."""
+    prompt = [3, 4, 5]
+    ref = reference_output(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    results = {}
+    for mode in ("sync", "async"):
+        sched, runner = make(num_blocks=64, block_size=2, max_num_batched_tokens=8)
+        reqs = [seq("len", prompt, max_tokens=6),
+                seq("stop", prompt, max_tokens=8, stop_token_ids=[ref[2]]),
+                seq("chunk", list(range(1, 30)), max_tokens=3)]
+        for r in reqs:
+            sched.add(r)
+        rows = Counter()
+        stepper = AsyncStepper(sched, runner) if mode == "async" else None
+        while (stepper.busy() if stepper else sched.has_unfinished()):
+            out = stepper.step()[0] if stepper else step(sched, runner)[0]
+            rows.update(s.seq.request_id for s in out.scheduled if s.sample)
+        assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks - 1
+        results[mode] = ({r.request_id: r.output_token_ids for r in reqs}, rows)
+    (sync_out, sync_rows), (async_out, async_rows) = results["sync"], results["async"]
+    assert async_out == sync_out and sync_out["stop"] == ref[:3]
+    assert async_rows["len"] == sync_rows["len"] == 6  # never past max_tokens
+    assert async_rows["chunk"] == sync_rows["chunk"] == 3
+    assert async_rows["stop"] == sync_rows["stop"] + 1  # the stop is seen one step late

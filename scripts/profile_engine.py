@@ -1,0 +1,186 @@
+"""Where an engine step's time goes: device kernels, device idle gaps, host work.
+
+Runs the engine benchmark's shared-prefix workload (dummy weights), traces a window of
+steady full-batch decode steps and a batch-1 request with `jax.profiler` (Perfetto JSON),
+and summarizes the trace: device busy time and idle gaps per step, the kernels that take
+the time, and the host's share. Each configuration (async scheduling on/off, cascade
+on/off) runs in the same process over the same compiled steps.
+
+    PYTHONPATH=$PWD python scripts/profile_engine.py --model llama-2-7b --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+
+from jprefix import LLM, SamplingParams, load  # noqa: E402
+
+STEP_MARK = "jprefix_engine_step"
+
+
+def load_trace(trace_dir: str) -> list[dict]:
+    path = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    if not path:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(path[0]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def summarize(events: list[dict], top: int = 15) -> dict:
+    """Device busy/idle time inside the traced engine steps, top kernels, host marks."""
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
+    spans = [e for e in events if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == STEP_MARK)
+    if not steps:
+        return {"error": "no engine steps in the trace"}
+    lo, hi = steps[0][0], steps[-1][1]
+    kernels = [e for e in spans if e["pid"] in device_pids and lo <= e["ts"] <= hi]
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in kernels:
+        by_name[e["name"]].append(e["dur"])
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    host_dispatch, last_end = [], float("-inf")
+    for e in sorted((e for e in spans if e["name"].startswith("PjitFunction(step)")
+                     and lo <= e["ts"] <= hi), key=lambda e: e["ts"]):
+        if e["ts"] >= last_end:  # outermost of the nested dispatch events
+            host_dispatch.append(e["dur"])
+            last_end = e["ts"] + e["dur"]
+    n = len(steps)
+    return dict(
+        steps=n,
+        window_ms=(hi - lo) / 1e3,
+        per_step_ms=(hi - lo) / 1e3 / n,
+        device_busy_per_step_ms=busy / 1e3 / n,
+        device_idle_share=1 - busy / (hi - lo),
+        kernels_per_step=len(kernels) / n,
+        engine_step_call_ms=[round((b - a) / 1e3, 3) for a, b in steps],
+        jit_dispatch_ms=[round(d / 1e3, 3) for d in host_dispatch],
+        top_kernels=[dict(name=k[:120], calls_per_step=len(v) / n,
+                          ms_per_step=sum(v) / 1e3 / n) for k, v in ranked[:top]],
+    )
+
+
+def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> dict:
+    trace_dir = tempfile.mkdtemp(prefix="jprefix-trace-")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for _ in range(num_steps):
+        with jax.profiler.TraceAnnotation(STEP_MARK):
+            llm.engine.step()
+    jax.block_until_ready(llm.engine.runner.kv_cache)
+    jax.profiler.stop_trace()
+    summary = summarize(load_trace(trace_dir))
+    if keep_dir:
+        src = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*",
+                                     "perfetto_trace.json.gz"))[0]
+        shutil.copy(src, os.path.join(keep_dir, f"{tag}.perfetto.json.gz"))
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    return summary
+
+
+def drain(llm: LLM) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def profile_decode(llm: LLM, prompts, prefix_len: int, output_len: int, warm_steps: int,
+                   num_steps: int, keep_dir: str | None, tag: str) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.reset_prefix_cache()
+    for p in prompts:
+        llm.engine.add_sequence(llm.engine.make_sequence(p, sp, prefix_len))
+    while True:  # until every request decodes
+        llm.engine.step()
+        running = llm.engine.scheduler.running.values()
+        if len(running) == len(prompts) and all(s.num_output_tokens > 0 for s in running):
+            break
+    for _ in range(warm_steps):
+        llm.engine.step()
+    summary = traced_steps(llm, num_steps, keep_dir, tag)
+    drain(llm)
+    return summary
+
+
+def profile_single(llm: LLM, prompt, prefix_len: int, num_steps: int, keep_dir, tag) -> dict:
+    """One request, prefix cached: its first (prefill) step, then decode steps."""
+    sp = SamplingParams(temperature=0, max_tokens=num_steps + 4, ignore_eos=True)
+    llm.reset_prefix_cache()
+    llm.generate([prompt[:prefix_len] + [11]], SamplingParams(max_tokens=1),
+                 prefix_pos=prefix_len, use_tqdm=False)
+    llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
+    summary = traced_steps(llm, num_steps, keep_dir, tag)
+    drain(llm)
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--prefix-len", type=int, default=596)
+    ap.add_argument("--unique-len", type=int, default=104)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--warm-steps", type=int, default=20)
+    ap.add_argument("--trace-steps", type=int, default=10)
+    ap.add_argument("--configs", default="async+cascade,sync+cascade,async",
+                    help="comma-separated; each a '+'-joined subset of async, cascade")
+    ap.add_argument("--keep-traces", default=None, help="folder for the Perfetto files")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    from scripts.bench_engine import make_prompts
+
+    model = load(args.model, dtype="bfloat16", load_format="dummy")
+    llm = LLM(model=model)
+    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
+                           model.config.vocab_size, 0)
+    result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d"), configs={})
+    if args.keep_traces:
+        os.makedirs(args.keep_traces, exist_ok=True)
+    for config in args.configs.split(","):
+        flags = set(config.split("+"))
+        llm.engine.args.async_scheduling = "async" in flags
+        llm.engine.args.enable_cascade = "cascade" in flags
+        t = time.perf_counter()
+        # the first pass compiles this configuration's buckets; the second is traced
+        profile_decode(llm, prompts, args.prefix_len, args.output_len, 0, 1, None, "warm")
+        decode = profile_decode(llm, prompts, args.prefix_len, args.output_len,
+                                args.warm_steps, args.trace_steps, args.keep_traces,
+                                f"decode-{config}")
+        single = profile_single(llm, prompts[0], args.prefix_len, args.trace_steps,
+                                args.keep_traces, f"single-{config}")
+        result["configs"][config] = dict(decode=decode, single=single,
+                                         wall_s=time.perf_counter() - t)
+        print(f"== {config}", json.dumps(result["configs"][config], indent=1), flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
