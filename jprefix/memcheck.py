@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jprefix.batch import flatten_batch, pack_step
@@ -9,16 +10,23 @@ from jprefix.runner import ModelRunner, step
 from jprefix.scheduler import synthetic_rows
 
 
+def compile_step(runner: ModelRunner, scheduled) -> jax.stages.Compiled:
+    """The compiled step the runner would run for `scheduled` (plain attention)."""
+    batch = pack_step(scheduled, runner.block_size, runner.buckets)
+    ints, floats, layout = flatten_batch(batch)
+    decode = all(sc.num_new_tokens == 1 for sc in scheduled)
+    return step.lower(runner.params, runner.kv_cache, ints, floats,
+                      jnp.zeros(runner.max_rows, jnp.int32), layout=layout, cfg=runner.cfg,
+                      backend=runner.backend, decode=decode, greedy=True,
+                      mesh=runner.mesh).compile()
+
+
 def step_memory_report(runner: ModelRunner, num_tokens: int = 16) -> dict[str, int]:
     """Compiles one prefill step and returns the KV bytes, the bytes aliased between the
     donated cache and the output, and the step's temporary bytes."""
     blocks = list(range(1, -(-num_tokens // runner.block_size) + 1))
-    sched = synthetic_rows([[1] * num_tokens], [blocks], [num_tokens])
-    ints, floats, layout = flatten_batch(pack_step(sched, runner.block_size, runner.buckets))
-    compiled = step.lower(runner.params, runner.kv_cache, ints, floats,
-                          jnp.zeros(runner.max_rows, jnp.int32), layout=layout,
-                          cfg=runner.cfg, backend=runner.backend, mesh=runner.mesh).compile()
-    analysis = compiled.memory_analysis()
+    analysis = compile_step(runner, synthetic_rows([[1] * num_tokens], [blocks],
+                                                   [num_tokens])).memory_analysis()
     return dict(
         kv_bytes=sum(x.nbytes for x in runner.kv_cache),
         alias_bytes=analysis.alias_size_in_bytes,

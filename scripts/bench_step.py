@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, load  # noqa: E402
-from jprefix.memcheck import step_memory_report  # noqa: E402
+from jprefix.memcheck import compile_step, step_memory_report  # noqa: E402
 from jprefix.scheduler import synthetic_rows  # noqa: E402
 
 COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200
@@ -36,18 +36,34 @@ def fake_decode_batch(batch: int, context: int, block_size: int, num_blocks: int
     return synthetic_rows(contexts, ids.tolist(), [1] * batch, seeds=list(range(batch)))
 
 
-def time_step(runner, scheduled, reps: int) -> float:
+def time_step(runner, scheduled, reps: int) -> dict:
+    """Median ms of: a whole step (dispatch + wait), the dispatch alone (host time until
+    the step is enqueued), and a step when `reps` steps are dispatched back to back (the
+    device time, once the host keeps ahead)."""
     t = time.perf_counter()
     runner.execute(scheduled)
     print(f"first call (compile) {time.perf_counter() - t:.1f} s", flush=True)
     for _ in range(2):
         runner.execute(scheduled)
-    times = []
+    whole, dispatch = [], []
     for _ in range(reps):
         t = time.perf_counter()
-        runner.execute(scheduled)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+        handle = runner.dispatch(scheduled)
+        dispatch.append(time.perf_counter() - t)
+        runner.fetch(handle)
+        whole.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(reps):
+        handle = runner.dispatch(scheduled)
+    runner.fetch(handle)
+    pipelined = (time.perf_counter() - t) / reps
+    return dict(step_ms=statistics.median(whole) * 1e3,
+                dispatch_ms=statistics.median(dispatch) * 1e3, pipelined_ms=pipelined * 1e3)
+
+
+def command_buffers(runner, scheduled) -> int:
+    """Command buffers (CUDA graphs) XLA formed in the compiled step."""
+    return compile_step(runner, scheduled).as_text().count("command_buffer")
 
 
 def main() -> None:
@@ -70,10 +86,11 @@ def main() -> None:
     for b in args.batch:
         sched = fake_decode_batch(b, args.context, runner.block_size,
                                   runner.kv_cache[0].shape[2], rng)
-        ms = time_step(runner, sched, args.reps)
+        timing = time_step(runner, sched, args.reps)
         floor = (weight_bytes + b * args.context * kv_per_token) / COPY_BW * 1e3
-        rows.append(dict(batch=b, context=args.context, step_ms=ms, floor_ms=floor,
-                         host_pack_ms=runner.last_timing[0] * 1e3))
+        rows.append(dict(batch=b, context=args.context, floor_ms=floor, **timing,
+                         command_buffer_mentions=command_buffers(runner, sched),
+                         xla_flags=os.environ.get("XLA_FLAGS", "")))
         print(rows[-1], flush=True)
     mem = step_memory_report(runner)
     print(f"\n{args.model} decode step, backend {runner.backend}, jax {jax.__version__}, "
@@ -81,8 +98,10 @@ def main() -> None:
     print(f"KV cache {mem['kv_bytes'] / 1e9:.1f} GB, aliased {mem['alias_bytes'] / 1e9:.1f} GB, "
           f"step temp {mem['temp_bytes'] / 1e9:.2f} GB")
     for r in rows:
-        print(f"batch {r['batch']:4d} ctx {r['context']}: {r['step_ms']:7.2f} ms "
-              f"(floor {r['floor_ms']:.2f} ms, {r['floor_ms'] / r['step_ms']:.0%} of roofline)")
+        print(f"batch {r['batch']:4d} ctx {r['context']}: {r['step_ms']:7.2f} ms, dispatch "
+              f"{r['dispatch_ms']:.2f} ms, back to back {r['pipelined_ms']:.2f} ms "
+              f"(floor {r['floor_ms']:.2f} ms, {r['floor_ms'] / r['pipelined_ms']:.0%} of "
+              f"roofline)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(rows=rows, memory=mem), f, indent=1)
