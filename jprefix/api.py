@@ -39,12 +39,13 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}")
         args = EngineArgs(tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
-        if not isinstance(model, LoadedModel):
+        owned = not isinstance(model, LoadedModel)
+        if owned:  # loaded here: the engine may replace its weights' layout in place
             mesh = None
             if tensor_parallel_size != 1:  # check tp against the config, then load sharded
                 mesh = make_mesh(model_config(model, load_format), tensor_parallel_size)
             model = load(model, dtype, load_format, mesh=mesh)
-        self.engine = LLMEngine(model, args)
+        self.engine = LLMEngine(model, args, owns_weights=owned)
         self._driver = AsyncDriver(self.engine)
 
     @property

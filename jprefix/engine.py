@@ -23,7 +23,7 @@ from jprefix.config import SchedulerConfig
 from jprefix.outputs import RequestOutput
 from jprefix.parallel import make_mesh
 from jprefix.prefix_cache import PrefixPool
-from jprefix.runner import ModelRunner
+from jprefix.runner import ModelRunner, prepare_params
 from jprefix.sampling_params import SamplingParams
 from jprefix.scheduler import Scheduler
 from jprefix.sequence import Sequence
@@ -76,18 +76,24 @@ class _InFlight:
 class LLMEngine:
     """Owns the scheduler (host) and the model runner (device)."""
 
-    def __init__(self, model: Any, args: EngineArgs | None = None):
+    def __init__(self, model: Any, args: EngineArgs | None = None, owns_weights: bool = False):
+        """`owns_weights`: nobody else uses `model.params`, so they are replaced by the
+        step's layout (per-layer, fused) instead of kept beside it (one copy, not two)."""
         self.model, self.args = model, args or EngineArgs()
         cfg = model.config
         self.max_model_len = min(self.args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
+        mesh = make_mesh(cfg, self.args.tensor_parallel_size)
+        params = prepare_params(model.params, cfg, mesh, self.args.unroll_layers)
+        if owns_weights:  # (LoadedModel is frozen; the LLM that loaded it owns it)
+            object.__setattr__(model, "params", params)  # frees the loaded layout now
         self.runner = ModelRunner(
-            model.params, cfg, self.args.num_kv_blocks, self.args.block_size,
+            params, cfg, self.args.num_kv_blocks, self.args.block_size,
             model.params.embed.dtype, backend=self.args.attention_backend,
             buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
             memory_fraction=self.args.gpu_memory_utilization,
             cpu_num_blocks=self.args.cpu_num_kv_blocks,
-            mesh=make_mesh(cfg, self.args.tensor_parallel_size),
+            mesh=mesh,
             max_num_seqs=self.args.max_num_seqs,
         )
         self.scheduler = self._make_scheduler(self.runner.num_blocks)

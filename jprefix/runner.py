@@ -8,9 +8,11 @@ by another in the same step). The cache is donated and updated in place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
 
@@ -24,7 +26,7 @@ from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.parallel import kv_sharding, per_shard, shard_params
 from jprefix.sampling import sample
 from models.config import ModelConfig
-from models.llama import compute_logits, forward, unstack_layers
+from models.llama import compute_logits, forward, fuse_projections, unstack_layers
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
@@ -33,9 +35,10 @@ KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
 
 
 class StepHandle(NamedTuple):
-    """A dispatched step: its device output, live rows, and the cascade row order."""
+    """A dispatched step: its launch (resolving to the device output), live rows, and
+    the cascade row order."""
 
-    tokens: jax.Array
+    tokens: concurrent.futures.Future
     num_rows: int
     order: list[int] | None
 BACKENDS = ("pallas", "xla", "pallas-interpret")
@@ -140,6 +143,23 @@ def auto_num_blocks(
     return max(2, int(free * memory_fraction) // per_device)
 
 
+def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
+                   unroll_layers: bool | None = None) -> Any:
+    """The weights as the step runs them: sharded over `mesh`; on GPU (or with
+    `unroll_layers`) split into per-layer buffers (no per-layer weight copy in the step)
+    with Q/K/V and gate/up fused into one matmul each on a single device. Idempotent."""
+    if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
+        unroll_layers = jax.default_backend() == "gpu"
+    if mesh is not None:
+        params = shard_params(params, cfg, mesh)
+    if unroll_layers:
+        if not isinstance(params.layers, tuple):
+            params = unstack_layers(params)
+        if mesh is None:
+            params = fuse_projections(params)
+    return params
+
+
 class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
@@ -164,11 +184,7 @@ class ModelRunner:
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-        if unroll_layers is None:  # GPU: unrolled (no per-layer weight copy); CPU: fast compile
-            unroll_layers = jax.default_backend() == "gpu"
-        if mesh is not None:
-            params = shard_params(params, cfg, mesh)
-        self.params = unstack_layers(params) if unroll_layers else params
+        self.params = prepare_params(params, cfg, mesh, unroll_layers)
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
@@ -179,15 +195,28 @@ class ModelRunner:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
                         out_shardings=None if mesh is None else kv_sharding(mesh))
-        self.kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
+        self._kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
+        # Steps launch in order on one worker thread: XLA's launch of a step's ~500-800
+        # kernels takes milliseconds of host time, which then overlaps the engine's Python.
+        self._launcher = concurrent.futures.ThreadPoolExecutor(1, "jprefix-launch")
+        weakref.finalize(self, self._launcher.shutdown, wait=False)
+        self._last_launch: concurrent.futures.Future | None = None
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_timing = (0.0, 0.0)
         # every step returns max_rows token ids: the next step may read its pending ones
         self.max_rows = bucket(max_num_seqs, self.buckets.min_seqs)
         self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
 
+    @property
+    def kv_cache(self) -> KVCache:
+        """The KV cache after every step dispatched so far (waits for their launches)."""
+        if self._last_launch is not None:
+            self._last_launch.result()
+        return self._kv_cache
+
     def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None) -> StepHandle:
-        """Packs and launches one step without waiting for it; `fetch` gets its tokens.
+        """Packs one step and queues its launch without waiting for either the launch or
+        the device; `fetch` gets its tokens.
 
         A row whose newest token is pending reads it from the previous dispatch's
         output. Records each sampling row's output row in `seq.pending_row`.
@@ -207,21 +236,28 @@ class ModelRunner:
         if len(batch["kv_lens"]) > self.max_rows:
             raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
         ints, floats, layout = flatten_batch(batch)
-        tokens, self.kv_cache = step(self.params, self.kv_cache, ints, floats, self._last_tokens,
-                                     layout=layout, cfg=self.cfg, backend=self.backend,
-                                     decode=decode, greedy=greedy, mesh=self.mesh)
-        self._last_tokens = tokens
+
+        def launch() -> jax.Array:  # on the worker thread, in dispatch order
+            tokens, self._kv_cache = step(
+                self.params, self._kv_cache, ints, floats, self._last_tokens, layout=layout,
+                cfg=self.cfg, backend=self.backend, decode=decode, greedy=greedy,
+                mesh=self.mesh)
+            self._last_tokens = tokens
+            return tokens
+
+        self._last_launch = self._launcher.submit(launch)
         for row, sc in enumerate(scheduled):
             if sc.sample:
                 sc.seq.pending_row = row
         self.last_timing = (time.perf_counter() - t0, 0.0)
-        return StepHandle(tokens, len(scheduled), None if plan is None else plan.order)
+        return StepHandle(self._last_launch, len(scheduled),
+                          None if plan is None else plan.order)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         """Waits for a dispatched step; returns the sampled token of every scheduled
         sequence, in `scheduled` order (also when a cascade plan regrouped them)."""
         t0 = time.perf_counter()
-        host_tokens = np.asarray(handle.tokens)[: handle.num_rows]
+        host_tokens = np.asarray(handle.tokens.result())[: handle.num_rows]
         self.last_timing = (self.last_timing[0], time.perf_counter() - t0)
         if handle.order is None:
             return host_tokens

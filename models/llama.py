@@ -27,7 +27,12 @@ AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.A
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """Per-layer weights, each stacked on a leading L axis; linears stored [in, out]."""
+    """Per-layer weights, each stacked on a leading L axis; linears stored [in, out].
+
+    Fused form (`fuse_projections`, per-layer weights only): `wq` holds [wq | wk | wv]
+    (and `bq` the three biases) with `wk`/`wv`/`bk`/`bv` None, and `w_gate` holds
+    [w_gate | w_up] with `w_up` None: one matmul each instead of three and two.
+    """
 
     attn_norm: jax.Array  # [L, E]
     wq: jax.Array  # [L, E, H*D]
@@ -141,16 +146,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig) -> tuple[jax.Array, ...]:
-    q, k, v = h @ lp.wq, h @ lp.wk, h @ lp.wv
-    if lp.bq is not None:
-        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     lead, d = h.shape[:-1], cfg.head_dim
+    if lp.wk is None:  # fused [wq | wk | wv]
+        qkv = h @ lp.wq
+        if lp.bq is not None:
+            qkv = qkv + lp.bq
+        hd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+        q, k, v = qkv[..., :hd], qkv[..., hd : hd + kd], qkv[..., hd + kd :]
+    else:
+        q, k, v = h @ lp.wq, h @ lp.wk, h @ lp.wv
+        if lp.bq is not None:
+            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     return (q.reshape(*lead, cfg.num_heads, d), k.reshape(*lead, cfg.num_kv_heads, d),
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
 def _mlp(h: jax.Array, lp: LayerParams) -> jax.Array:
-    return (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+    if lp.w_up is None:  # fused [w_gate | w_up]
+        gate, up = jnp.split(h @ lp.w_gate, 2, axis=-1)
+    else:
+        gate, up = h @ lp.w_gate, h @ lp.w_up
+    return (jax.nn.silu(gate) * up) @ lp.w_down
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
@@ -204,6 +220,25 @@ def unstack_layers(params: Params) -> Params:
     layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
                    for i in range(num_layers))
     return dataclasses.replace(params, layers=layers)
+
+
+def fuse_projections(params: Params) -> Params:
+    """Per-layer params (`unstack_layers`) with Q/K/V and gate/up each concatenated into
+    one matrix (see LayerParams), layer by layer so the extra memory is one layer's.
+    Single-device only: a tensor-parallel split of the concatenation would mix heads."""
+    if not isinstance(params.layers, tuple):
+        raise ValueError("fuse_projections needs per-layer params (unstack_layers first)")
+    cat = jax.jit(lambda *xs: jnp.concatenate(xs, axis=-1))
+    layers = []
+    for lp in params.layers:
+        if lp.wk is None:  # already fused
+            layers.append(lp)
+            continue
+        bias = None if lp.bq is None else cat(lp.bq, lp.bk, lp.bv)
+        layers.append(dataclasses.replace(
+            lp, wq=cat(lp.wq, lp.wk, lp.wv), wk=None, wv=None, bq=bias, bk=None, bv=None,
+            w_gate=cat(lp.w_gate, lp.w_up), w_up=None))
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 def _split_layers(x: jax.Array) -> list[jax.Array]:

@@ -15,10 +15,12 @@ from models.llama import (
     dense_forward,
     dense_generate,
     forward,
+    fuse_projections,
     init_dense_cache,
     init_params,
     param_partition_specs,
     rope_inv_freq,
+    unstack_layers,
 )
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-smollm2"]
@@ -153,3 +155,19 @@ def test_from_hf_config_rejects_unsupported(bad, match):
 def test_tiny_presets_exist_for_every_arch():
     assert {PRESETS[n].arch for n in TINY} == {"llama", "mistral", "qwen2"}
     assert PRESETS["tiny-smollm2"].tie_word_embeddings and PRESETS["tiny-qwen2"].attention_bias
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2"])  # GQA; qkv bias
+def test_per_layer_and_fused_projection_layouts_equal_the_stacked_model(name):
+    cfg = PRESETS[name]
+    params = _random_params(cfg)
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
+    want = dense_forward(params, cfg, tokens)
+    per_layer = unstack_layers(params)
+    fused = fuse_projections(per_layer)
+    lp = fused.layers[0]
+    assert lp.wk is None and lp.w_up is None and (lp.bq is None) == (not cfg.attention_bias)
+    assert lp.wq.shape[-1] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    assert fuse_projections(fused).layers[0].wq is lp.wq  # idempotent
+    for p in (per_layer, fused):
+        np.testing.assert_allclose(dense_forward(p, cfg, tokens), want, atol=2e-4, rtol=1e-4)
