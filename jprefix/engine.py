@@ -20,6 +20,7 @@ from jprefix.batch import BucketConfig
 from jprefix.block_manager import BlockManager
 from jprefix.cascade import CascadePlan, plan_cascade
 from jprefix.config import SchedulerConfig
+from jprefix.detokenizer import IncrementalDetokenizer
 from jprefix.outputs import RequestOutput
 from jprefix.parallel import make_mesh
 from jprefix.prefix_cache import PrefixPool
@@ -246,15 +247,25 @@ class LLMEngine:
         return aborted
 
     def _check_stop_strings(self, scheduled, sampled) -> list[Sequence]:
+        """Finishes sequences whose output text now contains a stop string; the text
+        grows incrementally (each token decoded once, in a short window)."""
         finished = []
         for sc in scheduled:
             seq = sc.seq
-            if seq.request_id not in sampled or seq.is_finished() or not seq.sampling_params.stop:
+            stops = seq.sampling_params.stop
+            if seq.request_id not in sampled or seq.is_finished() or not stops:
                 continue
-            text = self._detokenize(seq.output_token_ids)
-            hits = [text.find(s) for s in seq.sampling_params.stop if s in text]
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            det = seq.detokenizer
+            new = seq.output_token_ids[len(det.ids) :]
+            delta = det.push(new)
+            if not delta:
+                continue
+            since = max(0, len(det.text) - len(delta) - max(map(len, stops)) + 1)
+            hits = [i for i in (det.text.find(s, since) for s in stops) if i >= 0]
             if hits:
-                seq.stop_text = text[: min(hits)]
+                seq.stop_text = det.text[: min(hits)]
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
         return finished

@@ -49,8 +49,9 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _attention(backend: str, decode: bool, q, k_cache, v_cache, layer, batch, scale):
-    if "prefix_block_tables" in batch:
+def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, layer, batch,
+               scale):
+    if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
             batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
@@ -79,12 +80,14 @@ def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layout", "cfg", "backend", "decode", "greedy", "mesh"),
+    jax.jit,
+    static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh"),
     donate_argnames=("kv_cache",),
 )
 def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array,
          prev_tokens: jax.Array, *, layout: Layout, cfg: ModelConfig, backend: str,
-         decode: bool = False, greedy: bool = False, mesh: Mesh | None = None):
+         decode: bool = False, greedy: bool = False, cascade: bool = False,
+         mesh: Mesh | None = None):
     """One engine step: returns (sampled token ids [P], updated kv_cache), P =
     `prev_tokens.size` (rows beyond the batch are padding).
 
@@ -92,8 +95,8 @@ def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array,
     host read their id from `prev_tokens`, the previous step's output (async
     scheduling: this step was dispatched before that one's ids reached the host). `decode` (every sequence has
     exactly one new token) picks the decode-tiled kernel; `greedy` (every temperature is
-    0) skips the sampling machinery. A batch carrying cascade arrays (jprefix.cascade)
-    attends each group's shared prefix once. With a tensor-parallel `mesh`, the KV write
+    0) skips the sampling machinery. `cascade` (the batch carries jprefix.cascade's
+    arrays) attends each group's shared prefix once. With a tensor-parallel `mesh`, the KV write
     and attention run per device on its heads.
     """
     batch = unflatten_batch(ints, floats, layout)
@@ -103,7 +106,7 @@ def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array,
 
     def write_and_attend(q, k, v, k_cache, v_cache, layer, batch):
         k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
-        out = _attention(backend, decode, q, k_cache, v_cache, layer, batch, scale)
+        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
         return out, k_cache, v_cache
 
     local = per_shard(write_and_attend, mesh)
@@ -150,7 +153,7 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     with Q/K/V and gate/up fused into one matmul each on a single device. Idempotent."""
     if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
         unroll_layers = jax.default_backend() == "gpu"
-    if mesh is not None:
+    if mesh is not None and not isinstance(params.layers, tuple):  # per-layer: sharded
         params = shard_params(params, cfg, mesh)
     if unroll_layers:
         if not isinstance(params.layers, tuple):
@@ -241,7 +244,7 @@ class ModelRunner:
             tokens, self._kv_cache = step(
                 self.params, self._kv_cache, ints, floats, self._last_tokens, layout=layout,
                 cfg=self.cfg, backend=self.backend, decode=decode, greedy=greedy,
-                mesh=self.mesh)
+                cascade=plan is not None, mesh=self.mesh)
             self._last_tokens = tokens
             return tokens
 

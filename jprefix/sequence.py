@@ -72,6 +72,7 @@ class Sequence:
         self.prompt = prompt  # the prompt text, when it was given as text
         self.first_token_time: float | None = None
         self.stop_text: str | None = None  # output text cut before a matched stop string
+        self.detokenizer: Any = None  # IncrementalDetokenizer, when stop strings are watched
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from jprefix.api import LLM
+from jprefix.detokenizer import IncrementalDetokenizer
 from jprefix.outputs import RequestOutput
 from jprefix.sampling_params import SamplingParams
 
@@ -86,14 +87,12 @@ class _TextStream:
     """Turns token ids into text deltas, holding back text that may end in a stop string."""
 
     def __init__(self, tokenizer: Any, stop: list[str]):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        self.detokenizer, self.sent = IncrementalDetokenizer(tokenizer), ""
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            return ""
+        self.detokenizer.push(ids)
+        text = self.detokenizer.text
         return self._emit(text[: len(text) - self.hold])
 
     def finish(self, final_text: str) -> str:

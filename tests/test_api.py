@@ -150,3 +150,23 @@ def _wait_for_driver(llm, timeout=10.0):
     thread = llm._driver._thread
     if thread is not None:
         thread.join(timeout)
+
+
+def test_engines_leave_no_threads_behind(tiny):
+    """The launch worker and the async driver end with their LLM."""
+    import gc
+    import time
+
+    def ours():
+        return [t for t in threading.enumerate() if t.name.startswith("jprefix")]
+
+    before = len(ours())
+    for _ in range(3):
+        llm = LLM(tiny, block_size=8, num_kv_blocks=32)
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        del llm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(ours()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(ours()) == before, ours()

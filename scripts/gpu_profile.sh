@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200 call: decode-step dispatch, engine profile (async scheduling / cascade), engine bench.
+# H200 call (second session): decode-step dispatch with command buffers off and on, the
+# engine profile (async scheduling, cascade), then the engine benchmark.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
