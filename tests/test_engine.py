@@ -156,3 +156,31 @@ def test_stop_token_ids_and_max_tokens_finish(tiny):
     assert out.token_ids == ref[: ref.index(stop_at) + 1] and out.finish_reason == "stop"
     out = llm.generate([prompt], _greedy(5), use_tqdm=False)[0]
     assert out.token_ids == ref[:5] and out.finish_reason == "length"
+
+
+def test_async_and_sync_scheduling_give_identical_outputs(tiny):
+    """Scheduling step N+1 before step N's tokens arrive changes no output: greedy and
+    seeded sampling, with stop tokens, a tiny pool (preemption) and chunked prefill."""
+    rng = np.random.default_rng(7)
+    prompts = _prompts(rng, tiny.config.vocab_size, 37, [1, 4, 9, 15, 22])
+    greedy = _greedy(10)
+    sampled = SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=10,
+                             ignore_eos=True)
+    ref = LLM(tiny, block_size=BS, num_kv_blocks=64, async_scheduling=False)
+    stop_at = ref.generate(prompts[:1], greedy, use_tqdm=False)[0].token_ids[3]
+    stopping = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at])
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(tiny, block_size=BS, num_kv_blocks=14, max_num_batched_tokens=24,
+                  async_scheduling=mode)
+        runs = [llm.generate(prompts, sp, prefix_pos=32, use_tqdm=False)
+                for sp in (greedy, sampled, stopping)]
+        outs[mode] = [[(o.token_ids, o.finish_reason) for o in run] for run in runs]
+        _assert_blocks_balanced(llm)
+    assert outs[True] == outs[False]
+    assert outs[True][0][0][0] == _dense(tiny, prompts[0], 10)
+    for (tokens, _), (cut, reason) in zip(outs[True][0], outs[True][2], strict=True):
+        if stop_at in tokens:  # cut right after its first stop token, one step late or not
+            assert (cut, reason) == (tokens[: tokens.index(stop_at) + 1], "stop")
+        else:
+            assert (cut, reason) == (tokens, "length")
