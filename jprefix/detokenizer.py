@@ -40,9 +40,10 @@ class IncrementalDetokenizer:
         if window.endswith("\ufffd") or not window.startswith(self._window_text):
             if len(self.ids) - self._read < _RESYNC:
                 return ""  # a partial character (or a seam still settling): wait for more
-            window, self._start, self._window_text = self._decode(self.ids), 0, self.text
-            if not window.startswith(self.text):
-                return ""  # the tokenizer rewrote emitted text: the final text has it all
+            full = self._decode(self.ids)  # held back long: catch up from the start once
+            if full.endswith("\ufffd") or not full.startswith(self.text):
+                return ""  # still partial, or emitted text rewritten: the final text has all
+            window, self._start, self._window_text = full, 0, self.text
         delta = window[len(self._window_text) :]
         self.text += delta
         self._read = len(self.ids)

@@ -194,6 +194,12 @@ class LLMEngine:
                 done = launched
             if done is not None:
                 finished += self._process(done)
+            if (self._inflight is not None and not self._pending
+                    and not self.scheduler.has_unfinished()):
+                # every sequence of the step in flight has already finished (a stop seen
+                # one step late): retire it now, so an idle engine holds no step
+                self._process(self._inflight)
+                self._inflight = None
             return self._collect(finished)
 
     def _process(self, done: _InFlight) -> list[Sequence]:

@@ -157,8 +157,8 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
         params = shard_params(params, cfg, mesh)
     if unroll_layers:
         if not isinstance(params.layers, tuple):
-            params = unstack_layers(params)
-        if mesh is None:
+            params = unstack_layers(params, fuse=mesh is None)
+        elif mesh is None:
             params = fuse_projections(params)
     return params
 
@@ -204,6 +204,7 @@ class ModelRunner:
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "jprefix-launch")
         weakref.finalize(self, self._launcher.shutdown, wait=False)
         self._last_launch: concurrent.futures.Future | None = None
+        self._failed: Exception | None = None  # a launch that raised: later ones refuse
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_timing = (0.0, 0.0)
         # every step returns max_rows token ids: the next step may read its pending ones
@@ -241,6 +242,17 @@ class ModelRunner:
         ints, floats, layout = flatten_batch(batch)
 
         def launch() -> jax.Array:  # on the worker thread, in dispatch order
+            if self._failed is not None:  # its cache and tokens are gone: fail fast
+                raise RuntimeError("an earlier engine step failed, so the KV cache and the "
+                                   "pending tokens are lost: create a new engine"
+                                   ) from self._failed
+            try:
+                return _launch()
+            except Exception as exc:
+                self._failed = exc
+                raise
+
+        def _launch() -> jax.Array:
             tokens, self._kv_cache = step(
                 self.params, self._kv_cache, ints, floats, self._last_tokens, layout=layout,
                 cfg=self.cfg, backend=self.backend, decode=decode, greedy=greedy,

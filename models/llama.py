@@ -203,28 +203,46 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
     return (x, cache), None
 
 
-def unstack_layers(params: Params) -> Params:
-    """Params whose `layers` is a tuple of per-layer LayerParams (for the unrolled forward).
+def unstack_layers(params: Params, fuse: bool = False) -> Params:
+    """Params whose `layers` is a tuple of per-layer LayerParams (for the unrolled forward);
+    with `fuse`, in the fused form (see LayerParams; single device only).
 
-    The split copies the layer weights once, field by field; a field sharded over a mesh
+    The split copies the layer weights once, field by field (fused fields straight from
+    the stacks, so the weights never exist three times); a field sharded over a mesh
     stays sharded the same way (its spec without the layer axis), so a tensor-parallel
     model is never gathered onto one device. The stacked arrays are freed when the caller
     drops them.
     """
     stacked = params.layers
     num_layers = stacked.attn_norm.shape[0]
+    groups = {"wq": ("wq", "wk", "wv"), "bq": ("bq", "bk", "bv"),
+              "w_gate": ("w_gate", "w_up")} if fuse else {}
+    fused_away = {name for names in groups.values() for name in names[1:]}
     fields = {}
     for f in dataclasses.fields(LayerParams):
         value = getattr(stacked, f.name)
-        fields[f.name] = [None] * num_layers if value is None else _split_layers(value)
+        if value is None or f.name in fused_away:
+            fields[f.name] = [None] * num_layers
+        elif f.name in groups:
+            fields[f.name] = _split_concat([getattr(stacked, n) for n in groups[f.name]])
+        else:
+            fields[f.name] = _split_layers(value)
     layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
                    for i in range(num_layers))
     return dataclasses.replace(params, layers=layers)
 
 
+def _split_concat(stacks: list[jax.Array]) -> list[jax.Array]:
+    """Per-layer concatenations of same-depth stacks along the output axis."""
+    split = jax.jit(lambda *xs: tuple(jnp.concatenate([x[i] for x in xs], axis=-1)
+                                      for i in range(xs[0].shape[0])))
+    return list(split(*stacks))
+
+
 def fuse_projections(params: Params) -> Params:
     """Per-layer params (`unstack_layers`) with Q/K/V and gate/up each concatenated into
-    one matrix (see LayerParams), layer by layer so the extra memory is one layer's.
+    one matrix (see LayerParams); the unfused arrays stay alive while the caller holds
+    them (from stacked params, `unstack_layers(params, fuse=True)` skips that copy).
     Single-device only: a tensor-parallel split of the concatenation would mix heads."""
     if not isinstance(params.layers, tuple):
         raise ValueError("fuse_projections needs per-layer params (unstack_layers first)")

@@ -73,3 +73,26 @@ def test_random_ids_never_emit_more_than_the_full_decode(smollm2_tokenizer):
 def test_no_tokenizer_gives_no_text():
     det = IncrementalDetokenizer(None)
     assert det.push([1, 2]) == "" and det.text == "" and det.ids == [1, 2]
+
+
+def test_a_long_run_of_partial_bytes_then_the_rest_still_matches(smollm2_tokenizer):
+    """Lone continuation bytes (never a character), then an emoji split across pushes,
+    reaching the resync point in the middle of the emoji: no half character is emitted,
+    and the text keeps up with the full decode instead of freezing."""
+    tok = smollm2_tokenizer
+    byte_ids = [tok.convert_tokens_to_ids(t) for t in tok.convert_ids_to_tokens(
+        tok("🎉", add_special_tokens=False).input_ids)]
+    lone = tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(tok("\x80",
+                                     add_special_tokens=False).input_ids))
+    ids = tok("hello world", add_special_tokens=False).input_ids
+    det = IncrementalDetokenizer(tok)
+    det.push(ids)
+    for _ in range(15):  # the emoji's first byte then makes 16 held-back tokens
+        det.push(lone[-1:])
+    for t in byte_ids:
+        det.push([t])
+    tail = tok(" and more text", add_special_tokens=False).input_ids
+    for t in tail:
+        det.push([t])
+    full = tok.decode(det.ids, skip_special_tokens=True)
+    assert det.text == full and "🎉" in det.text

@@ -177,6 +177,9 @@ def test_async_and_sync_scheduling_give_identical_outputs(tiny):
                 for sp in (greedy, sampled, stopping)]
         outs[mode] = [[(o.token_ids, o.finish_reason) for o in run] for run in runs]
         _assert_blocks_balanced(llm)
+        last = llm.generate(prompts[:1], stopping, use_tqdm=False)[0]
+        assert last.finish_reason == "stop"  # its stop was seen one step late
+        _assert_blocks_balanced(llm)  # ... and the engine holds no step afterwards
     assert outs[True] == outs[False]
     assert outs[True][0][0][0] == _dense(tiny, prompts[0], 10)
     for (tokens, _), (cut, reason) in zip(outs[True][0], outs[True][2], strict=True):

@@ -169,5 +169,7 @@ def test_per_layer_and_fused_projection_layouts_equal_the_stacked_model(name):
     assert lp.wk is None and lp.w_up is None and (lp.bq is None) == (not cfg.attention_bias)
     assert lp.wq.shape[-1] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     assert fuse_projections(fused).layers[0].wq is lp.wq  # idempotent
-    for p in (per_layer, fused):
+    direct = unstack_layers(params, fuse=True)  # fused straight from the stacks
+    assert jax.tree.structure(direct) == jax.tree.structure(fused)
+    for p in (per_layer, fused, direct):
         np.testing.assert_allclose(dense_forward(p, cfg, tokens), want, atol=2e-4, rtol=1e-4)

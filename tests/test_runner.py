@@ -29,3 +29,26 @@ def test_unrolled_layers_match_scanned_layers_and_stay_in_place():
     assert outs[True] == outs[False]
     report = step_memory_report(llm.engine.runner)
     assert report["alias_bytes"] == report["kv_bytes"]
+
+
+def test_a_failed_launch_fails_every_later_step_clearly(monkeypatch):
+    """After a step raises on the launch thread, later steps refuse with a clear error
+    instead of running on a consumed cache and stale pending tokens."""
+    import pytest
+
+    import jprefix.runner as runner_mod
+    from jprefix import SamplingParams
+    from jprefix.scheduler import synthetic_rows
+
+    tiny = jprefix.load("tiny-llama", dtype="float32", load_format="dummy")
+    llm = LLM(tiny, block_size=8, num_kv_blocks=32)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(runner_mod, "step", broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="earlier engine step failed"):
+        llm.engine.runner.execute(synthetic_rows([[5, 6, 7]], [[1]], [3]))
