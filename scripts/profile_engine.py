@@ -137,7 +137,21 @@ def profile_single(llm: LLM, prompt, prefix_len: int, num_steps: int, keep_dir, 
     return summary
 
 
-def main() -> None:
+def _make_prompts(*args):
+    """bench_engine's workload (scripts/ is not a package: loaded by path)."""
+    import importlib.util
+    import sys
+
+    key = "jprefix_scripts_bench_engine"
+    if key not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_engine.py")
+        spec = importlib.util.spec_from_file_location(key, path)
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[key].make_prompts(*args)
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -150,13 +164,13 @@ def main() -> None:
                     help="comma-separated; each a '+'-joined subset of async, cascade")
     ap.add_argument("--keep-traces", default=None, help="folder for the Perfetto files")
     ap.add_argument("--output-json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    args = ap.parse_args(argv)
 
-    from scripts.bench_engine import make_prompts
-
-    model = load(args.model, dtype="bfloat16", load_format="dummy")
-    llm = LLM(model=model)
-    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
+    model = load(args.model, dtype=args.dtype, load_format="dummy")
+    llm = LLM(model=model, num_kv_blocks=args.num_kv_blocks)
+    prompts = _make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
                            model.config.vocab_size, 0)
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d"), configs={})
@@ -180,6 +194,7 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

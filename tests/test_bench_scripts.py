@@ -1,5 +1,6 @@
 """Benchmark scripts: the truncated-ShareGPT reader, the synthetic workloads, and
-end-to-end smoke runs of bench_throughput / bench_latency / plots on the tiny model."""
+end-to-end smoke runs of bench_throughput / bench_latency / bench_engine / profile_engine /
+plots on the tiny model."""
 
 import importlib.util
 import json
@@ -152,6 +153,36 @@ def test_bench_latency_smoke_and_sweep(tmp_path):
     result = bl.main([*common, "--request-rate", "50", "--latency-bound-ms", "0.001",
                       "--min-request-rate", "20", "--sweep-steps", "1"])
     assert result["max_rate_within_bound"] is None and len(result["trials"]) == 2
+
+
+def test_bench_engine_smoke(tmp_path):
+    be = script("bench_engine")
+    out = tmp_path / "engine.json"
+    r = be.main(["--model", "tiny-llama", "--dtype", "float32", "--num-prompts", "8",
+                 "--prefix-len", "32", "--unique-len", "8", "--output-len", "3",
+                 "--ttft-reps", "1", "--num-kv-blocks", "256", "--compare-cascade",
+                 "--output-json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    on, nc, off = (r[f"throughput_{t}_out3"] for t in ("on", "on_nocascade", "off"))
+    for run in (on, nc, off):
+        assert run["output_tok_s"] > 0 and run["steps"] >= 3
+    assert on["prefill_tokens"] < off["prefill_tokens"]  # the shared prefix once
+    assert on["peak_used_blocks"] < off["peak_used_blocks"]
+    assert r["ttft_ms_on_cached"] > 0 and r["ttft_ms_off"] > 0
+
+
+def test_profile_engine_smoke(tmp_path):
+    pe = script("profile_engine")
+    r = pe.main(["--model", "tiny-llama", "--dtype", "float32", "--num-prompts", "8",
+                 "--prefix-len", "32", "--unique-len", "8", "--output-len", "12",
+                 "--warm-steps", "1", "--trace-steps", "3", "--num-kv-blocks", "256",
+                 "--configs", "async+cascade,sync"])
+    assert set(r["configs"]) == {"async+cascade", "sync"}
+    for config in r["configs"].values():
+        for part in ("decode", "single"):
+            summary = config[part]
+            assert summary["steps"] == 3 and len(summary["engine_step_call_ms"]) == 3
+            assert summary["per_step_ms"] > 0 and 0 <= summary["device_idle_share"] <= 1
 
 
 def test_plots_write_pngs(tmp_path):
