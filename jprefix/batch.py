@@ -7,6 +7,7 @@ the reserved null block 0 and padding sequences have q_len = kv_len = 0.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -36,32 +37,43 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
     still pending on the host (sampled by the step before, async scheduling) has
     `token_src` = its row in that step's device output (-1 for every known token).
     """
-    q_lens = np.fromiter((sc.num_new_tokens for sc in scheduled), np.int32, len(scheduled))
+    n = len(scheduled)
+    q_lens = np.fromiter((sc.num_new_tokens for sc in scheduled), np.int32, n)
+    starts = np.fromiter((sc.start for sc in scheduled), np.int32, n)
+    tables = [sc.seq.block_table for sc in scheduled]
+    table_lens = np.fromiter(map(len, tables), np.int64, n)
     num_tokens = int(q_lens.sum())
     T = bucket(num_tokens, buckets.min_tokens)
-    S = bucket(len(scheduled), buckets.min_seqs)
-    M = bucket(max(len(sc.seq.block_table) for sc in scheduled), buckets.min_blocks)
+    S = bucket(n, buckets.min_seqs)
+    M = bucket(int(table_lens.max()), buckets.min_blocks)
 
-    token_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    block_tables = np.zeros((S, M), np.int32)
-    kv_lens = np.zeros(S, np.int32)
     cu_q_lens = np.full(S + 1, num_tokens, np.int32)
     cu_q_lens[0] = 0
-    cu_q_lens[1 : len(scheduled) + 1] = np.cumsum(q_lens)
+    cu_q_lens[1 : n + 1] = np.cumsum(q_lens)
+    # Python touches each row once (its known token ids); the rest is whole-array numpy.
+    ids: list[int] = []
     token_src = np.full(T, -1, np.int32)
-    for i, sc in enumerate(scheduled):
-        lo, hi = cu_q_lens[i], cu_q_lens[i + 1]
+    for sc in scheduled:
         end = sc.start + sc.num_new_tokens
         known = sc.seq.all_token_ids[sc.start : end]
-        token_ids[lo : lo + len(known)] = known
-        if len(known) < hi - lo:  # only the newest token can be pending
-            if len(known) != hi - lo - 1:
+        ids += known
+        if len(known) < sc.num_new_tokens:  # only the newest token can be pending
+            if len(known) != sc.num_new_tokens - 1:
                 raise RuntimeError(f"{sc.seq!r}: more than one pending token scheduled")
-            token_src[hi - 1] = sc.seq.pending_row
-        positions[lo:hi] = np.arange(sc.start, end, dtype=np.int32)
-        block_tables[i, : len(sc.seq.block_table)] = sc.seq.block_table
-        kv_lens[i] = end
+            token_src[len(ids)] = sc.seq.pending_row
+            ids.append(0)
+    token_ids = np.zeros(T, np.int32)
+    token_ids[:num_tokens] = ids
+    positions = np.zeros(T, np.int32)
+    positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
+                              + np.repeat(starts - cu_q_lens[:n], q_lens))
+    block_tables = np.zeros((S, M), np.int32)
+    rows = np.repeat(np.arange(n), table_lens)
+    cols = np.arange(len(rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
+    block_tables[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), np.int32,
+                                           len(rows))
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:n] = starts + q_lens
 
     seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
     slot_mapping = np.zeros(T, np.int32)  # padding -> slot 0 of the null block
@@ -84,20 +96,23 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
 
 
 def _sampling_arrays(scheduled: Seq, S: int) -> dict[str, np.ndarray]:
-    temperature = np.zeros(S, np.float32)
-    top_k = np.full(S, -1, np.int32)
-    top_p = np.ones(S, np.float32)
-    seeds = np.zeros(S, np.uint32)
-    counters = np.zeros(S, np.int32)
-    for i, sc in enumerate(scheduled):
-        sp = sc.seq.sampling_params
-        temperature[i] = sp.temperature
-        top_k[i] = sp.top_k
-        top_p[i] = sp.top_p
-        seeds[i] = sc.seq.seed
-        # index of the output token sampled from this row
-        counters[i] = sc.start + sc.num_new_tokens - len(sc.seq.prompt_token_ids)
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+    n = len(scheduled)
+    params = [sc.seq.sampling_params for sc in scheduled]
+
+    def column(values, fill, dtype) -> np.ndarray:
+        out = np.full(S, fill, dtype)
+        out[:n] = np.fromiter(values, dtype, n)
+        return out
+
+    return dict(
+        temperature=column((sp.temperature for sp in params), 0, np.float32),
+        top_k=column((sp.top_k for sp in params), -1, np.int32),
+        top_p=column((sp.top_p for sp in params), 1, np.float32),
+        seeds=column((sc.seq.seed for sc in scheduled), 0, np.uint32),
+        # index of the output token sampled from each row
+        counters=column((sc.start + sc.num_new_tokens - len(sc.seq.prompt_token_ids)
+                         for sc in scheduled), 0, np.int32),
+    )
 
 
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array

@@ -195,10 +195,14 @@ class Scheduler:
         tokens), and counts the n tokens computed and a sampled one pending."""
         start = seq.num_computed_tokens
         end = start + n
-        need = self.block_manager.blocks_for(end) - len(seq.block_table)
-        seq.block_table.extend(self.block_manager.allocate(need))
+        table = seq.block_table
+        if end > len(table) * self.block_size:  # (a decode mostly fits its last block)
+            table.extend(self.block_manager.allocate(self.block_manager.blocks_for(end)
+                                                     - len(table)))
         if self.config.enable_prefix_caching:
-            self.prefix_pool.register_blocks(seq, end, self._shareable_blocks(seq))
+            shareable = self._shareable_blocks(seq)
+            if min(end // self.block_size, shareable) > seq.num_registered_blocks:
+                self.prefix_pool.register_blocks(seq, end, shareable)
         sample = end == seq.num_scheduled_tokens
         seq.num_computed_tokens = end
         seq.num_pending += sample
