@@ -77,26 +77,30 @@ class _InFlight:
 class LLMEngine:
     """Owns the scheduler (host) and the model runner (device)."""
 
-    def __init__(self, model: Any, args: EngineArgs | None = None, owns_weights: bool = False):
+    def __init__(self, model: Any, args: EngineArgs | None = None, owns_weights: bool = False,
+                 runner: Any = None):
         """`owns_weights`: nobody else uses `model.params`, so they are replaced by the
-        step's layout (per-layer, fused) instead of kept beside it (one copy, not two)."""
+        step's layout (per-layer, fused) instead of kept beside it (one copy, not two).
+        `runner`: a ModelRunner-like object to use instead of building one (benchmarks of
+        the host side run the engine over a stub)."""
         self.model, self.args = model, args or EngineArgs()
         cfg = model.config
         self.max_model_len = min(self.args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
-        mesh = make_mesh(cfg, self.args.tensor_parallel_size)
-        params = prepare_params(model.params, cfg, mesh, self.args.unroll_layers)
-        if owns_weights:  # (LoadedModel is frozen; the LLM that loaded it owns it)
-            object.__setattr__(model, "params", params)  # frees the loaded layout now
-        self.runner = ModelRunner(
-            params, cfg, self.args.num_kv_blocks, self.args.block_size,
-            model.params.embed.dtype, backend=self.args.attention_backend,
-            buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
-            memory_fraction=self.args.gpu_memory_utilization,
-            cpu_num_blocks=self.args.cpu_num_kv_blocks,
-            mesh=mesh,
-            max_num_seqs=self.args.max_num_seqs,
-        )
+        if runner is None:
+            mesh = make_mesh(cfg, self.args.tensor_parallel_size)
+            params = prepare_params(model.params, cfg, mesh, self.args.unroll_layers)
+            if owns_weights:  # (LoadedModel is frozen; the LLM that loaded it owns it)
+                object.__setattr__(model, "params", params)  # frees the loaded layout now
+            runner = ModelRunner(
+                params, cfg, self.args.num_kv_blocks, self.args.block_size,
+                model.params.embed.dtype, backend=self.args.attention_backend,
+                buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
+                memory_fraction=self.args.gpu_memory_utilization,
+                cpu_num_blocks=self.args.cpu_num_kv_blocks, mesh=mesh,
+                max_num_seqs=self.args.max_num_seqs,
+            )
+        self.runner = runner
         self.scheduler = self._make_scheduler(self.runner.num_blocks)
         self._pending: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()

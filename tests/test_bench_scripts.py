@@ -185,6 +185,12 @@ def test_profile_engine_smoke(tmp_path):
             assert summary["per_step_ms"] > 0 and 0 <= summary["device_idle_share"] <= 1
 
 
+def test_bench_host_smoke():
+    r = script("bench_host").main(["--num-prompts", "16", "--prefix-len", "64",
+                                   "--unique-len", "8", "--steps", "10"])
+    assert r["num_seqs"] == 16 and 0 < r["ms_per_step_min"] <= r["ms_per_step_median"]
+
+
 def test_plots_write_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     bt, bl, plots = script("bench_throughput"), script("bench_latency"), script("plots")
