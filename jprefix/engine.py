@@ -267,9 +267,8 @@ class LLMEngine:
                 continue
             if seq.detokenizer is None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-            det = seq.detokenizer
-            new = seq.output_token_ids[len(det.ids) :]
-            delta = det.push(new)
+            det = seq.detokenizer  # fed the output tokens it has not seen (the tail only)
+            delta = det.push(seq.all_token_ids[seq.num_prompt_tokens + len(det.ids) :])
             if not delta:
                 continue
             since = max(0, len(det.text) - len(delta) - max(map(len, stops)) + 1)
