@@ -93,11 +93,11 @@ def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array,
 
     The batch arrives as two flat buffers (`flatten_batch`). Tokens still pending on the
     host read their id from `prev_tokens`, the previous step's output (async
-    scheduling: this step was dispatched before that one's ids reached the host). `decode` (every sequence has
-    exactly one new token) picks the decode-tiled kernel; `greedy` (every temperature is
-    0) skips the sampling machinery. `cascade` (the batch carries jprefix.cascade's
-    arrays) attends each group's shared prefix once. With a tensor-parallel `mesh`, the KV write
-    and attention run per device on its heads.
+    scheduling: this step was dispatched before that one's ids reached the host).
+    `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
+    `greedy` (every temperature is 0) skips the sampling machinery. `cascade` (the batch
+    carries jprefix.cascade's arrays) attends each group's shared prefix once. With a
+    tensor-parallel `mesh`, the KV write and attention run per device on its heads.
     """
     batch = unflatten_batch(ints, floats, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -144,6 +144,26 @@ def auto_num_blocks(
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     per_device = kv_block_bytes(cfg, block_size, dtype) // num_shards
     return max(2, int(free * memory_fraction) // per_device)
+
+
+def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
+              buckets: BucketConfig) -> tuple[list, dict[str, np.ndarray]]:
+    """A step's rows in device order (a cascade plan's groups first) and their arrays."""
+    if plan is not None:
+        scheduled = [scheduled[i] for i in plan.order]
+    batch = pack_step(scheduled, block_size, buckets)
+    if plan is not None:
+        batch |= pack_cascade(scheduled, plan, block_size, len(batch["kv_lens"]),
+                              buckets.min_blocks)
+    return list(scheduled), batch
+
+
+def record_pending_rows(rows: Seq) -> None:
+    """Each sampling row's index in the step's output: where the next step, dispatched
+    before this one's tokens reach the host, reads the pending token."""
+    for row, sc in enumerate(rows):
+        if sc.sample:
+            sc.seq.pending_row = row
 
 
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
@@ -226,12 +246,7 @@ class ModelRunner:
         output. Records each sampling row's output row in `seq.pending_row`.
         """
         t0 = time.perf_counter()
-        if plan is not None:
-            scheduled = [scheduled[i] for i in plan.order]
-        batch = pack_step(scheduled, self.block_size, self.buckets)
-        if plan is not None:
-            batch |= pack_cascade(scheduled, plan, self.block_size, len(batch["kv_lens"]),
-                                  self.buckets.min_blocks)
+        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets)
         decode = all(sc.num_new_tokens == 1 for sc in scheduled)
         greedy = not batch["temperature"].any()
         self.shapes_seen.add(
@@ -261,9 +276,7 @@ class ModelRunner:
             return tokens
 
         self._last_launch = self._launcher.submit(launch)
-        for row, sc in enumerate(scheduled):
-            if sc.sample:
-                sc.seq.pending_row = row
+        record_pending_rows(scheduled)
         self.last_timing = (time.perf_counter() - t0, 0.0)
         return StepHandle(self._last_launch, len(scheduled),
                           None if plan is None else plan.order)

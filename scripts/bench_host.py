@@ -17,10 +17,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from jprefix.batch import BucketConfig, flatten_batch, pack_step
-from jprefix.cascade import pack_cascade
+from jprefix.batch import BucketConfig, flatten_batch
 from jprefix.engine import EngineArgs, LLMEngine
-from jprefix.runner import StepHandle
+from jprefix.runner import StepHandle, pack_rows, record_pending_rows
 from jprefix.sampling_params import SamplingParams
 
 
@@ -33,16 +32,9 @@ class PackingStub:
         self.last_timing, self.shapes_seen = (0.0, 0.0), set()
 
     def dispatch(self, scheduled, plan=None) -> StepHandle:
-        if plan is not None:
-            scheduled = [scheduled[i] for i in plan.order]
-        batch = pack_step(scheduled, self.block_size, self.buckets)
-        if plan is not None:
-            batch |= pack_cascade(scheduled, plan, self.block_size, len(batch["kv_lens"]),
-                                  self.buckets.min_blocks)
+        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets)
         flatten_batch(batch)
-        for row, sc in enumerate(scheduled):
-            if sc.sample:
-                sc.seq.pending_row = row
+        record_pending_rows(scheduled)
         return StepHandle(None, len(scheduled), None if plan is None else plan.order)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:

@@ -8,6 +8,7 @@ each call, as the engine does, and (b) the same device input arrays every call.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -36,6 +37,15 @@ def timed(call, reps: int) -> tuple[float, float]:
     return statistics.median(dispatch) * 1e3, statistics.median(whole) * 1e3
 
 
+def _run_step(runner, prev, kw, ints, floats):
+    tokens, runner._kv_cache = step(runner.params, runner._kv_cache, ints, floats, prev, **kw)
+    return tokens
+
+
+def _with_copies(run, ints, floats):
+    return run(ints.copy(), floats.copy())  # new host buffers, as every engine step has
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-2-7b")
@@ -54,17 +64,10 @@ def main() -> None:
         kw = dict(layout=layout, cfg=runner.cfg, backend=runner.backend, decode=True,
                   greedy=True, mesh=runner.mesh)
 
-        def fresh():
-            tokens, runner._kv_cache = step(runner.params, runner._kv_cache, ints.copy(),
-                                           floats.copy(), prev, **kw)
-            return tokens
-
+        run = functools.partial(_run_step, runner, prev, kw)
         d_ints, d_floats = jax.device_put(ints), jax.device_put(floats)
-
-        def same():
-            tokens, runner._kv_cache = step(runner.params, runner._kv_cache, d_ints, d_floats,
-                                           prev, **kw)
-            return tokens
+        fresh = functools.partial(_with_copies, run, ints, floats)
+        same = functools.partial(run, d_ints, d_floats)
 
         for name, call in (("fresh host inputs", fresh), ("same device inputs", same)):
             d, w = timed(call, args.reps)
