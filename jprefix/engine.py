@@ -211,9 +211,8 @@ class LLMEngine:
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
         scheduled = done.out.scheduled
-        sampled = {
-            sc.seq.request_id: int(t) for sc, t in zip(scheduled, tokens, strict=True) if sc.sample
-        }
+        sampled = {sc.seq.request_id: t
+                   for sc, t in zip(scheduled, tokens.tolist(), strict=True) if sc.sample}
         now = time.monotonic()
         for sc in scheduled:
             if sc.sample and sc.seq.first_token_time is None:
