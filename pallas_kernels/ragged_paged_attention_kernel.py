@@ -54,6 +54,9 @@ class KernelConfig:
     prefetch_pages: bool  # load the next step's page ids one step ahead
     causal: bool = True  # False: every row sees keys [0, kv_len) (no position mask)
     return_lse: bool = False  # also output the natural-log log-sum-exp per row
+    flat_gather: bool = False  # gather K/V rows per key from [L*K*N*B, D] (no 3-D page load)
+    single_loop: bool = False  # one masked key loop instead of full steps + masked edge
+    evict_first: bool = False  # K/V loads hint evict_first (streamed once)
 
     @property
     def block_kv(self) -> int:
@@ -114,9 +117,7 @@ def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg
                                                    - 1), cfg)
     else:
         pages = nxt = _load_pages(bt_ref, seq, j, cfg)
-    rows = page_base + pages
-    k = k_ref[rows].reshape(cfg.block_kv, cfg.head_dim)  # [block_kv, D]
-    v = v_ref[rows].reshape(cfg.block_kv, cfg.head_dim)
+    k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg)
     x = _logits(q, k, cfg)
     if masked:
         key_pos = j * cfg.block_kv + jnp.arange(cfg.block_kv, dtype=jnp.int32)
@@ -134,7 +135,34 @@ def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg
 
 
 def _load_pages(bt_ref, seq, j, cfg):
+    """Page ids of key step j: [P], or with `flat_gather` one per key [block_kv]."""
+    if cfg.flat_gather:
+        kk = jnp.arange(cfg.block_kv, dtype=jnp.int32)
+        return bt_ref[seq, j * cfg.pages_per_step + kk // cfg.block_size]
     return bt_ref[seq, pl.ds(j * cfg.pages_per_step, cfg.pages_per_step)]  # [P]
+
+
+def _gather_kv(k_ref, v_ref, page_base, pages, cfg):
+    """The step's keys and values, [block_kv, D] each."""
+    if cfg.flat_gather:  # refs are [L*K*N*B, D]: one row per key
+        kk = jnp.arange(cfg.block_kv, dtype=jnp.int32)
+        rows = (page_base + pages) * cfg.block_size + kk % cfg.block_size
+        cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
+        idx = (rows[:, None], cols[None, :])
+    elif cfg.evict_first:  # refs are [L*K*N, B, D]: one page per id (interpret mode's
+        # load takes all-array or all-slice indices, not a mix)
+        b = jnp.arange(cfg.block_size, dtype=jnp.int32)
+        d = jnp.arange(cfg.head_dim, dtype=jnp.int32)
+        idx = ((page_base + pages)[:, None, None], b[None, :, None], d[None, None, :])
+    else:
+        idx = (page_base + pages, slice(None), slice(None))
+    if cfg.evict_first:
+        k = plgpu.load(k_ref.at[idx], eviction_policy="evict_first")
+        v = plgpu.load(v_ref.at[idx], eviction_policy="evict_first")
+    else:
+        k, v = k_ref[idx], v_ref[idx]
+    shape = (cfg.block_kv, cfg.head_dim)
+    return k.reshape(shape), v.reshape(shape)
 
 
 def ragged_paged_attention_kernel(
@@ -186,9 +214,12 @@ def ragged_paged_attention_kernel(
         jnp.zeros((cfg.tile_rows,), jnp.float32),
         _load_pages(bt_ref, seq, jnp.minimum(lo, max_steps - 1), cfg),
     )
-    mid = jnp.clip(n_full, lo, hi)
-    carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
-    o, m, denom, _ = lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
+    if cfg.single_loop:
+        o, m, denom, _ = lax.fori_loop(lo, hi, functools.partial(step, masked=True), carry)
+    else:
+        mid = jnp.clip(n_full, lo, hi)
+        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
+        o, m, denom, _ = lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
 
     if cfg.dump_rows:  # unique rows for masked lanes: interpret stores are scatters
         row = jnp.where(row_ok, row, cfg.num_rows + r)
@@ -227,7 +258,8 @@ def combine_splits(o, m, denom, num_rows: int, dtype, return_lse: bool = False):
 
 def run_kernel(q2, k3, v3, layer, block_tables, meta, cfg: KernelConfig, *,
                num_warps: int, num_stages: int, interpret: bool):
-    """Launches the kernel; q2 is [T*H, D], k3/v3 are [L*K*N, B, D].
+    """Launches the kernel; q2 is [T*H, D], k3/v3 are [L*K*N, B, D] ([L*K*N*B, D] with
+    `cfg.flat_gather`).
 
     Returns [T*H, D], or with `cfg.return_lse` ([T*H, D], lse [T*H] float32).
     """
@@ -262,4 +294,6 @@ def run_kernel(q2, k3, v3, layer, block_tables, meta, cfg: KernelConfig, *,
 
 def _kernel_name(cfg: KernelConfig) -> str:
     name = f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}"
-    return name + ("" if cfg.causal else "_full") + ("_lse" if cfg.return_lse else "")
+    name += "" if cfg.causal else "_full"
+    name += "_lse" if cfg.return_lse else ""
+    return name + "_flat" * cfg.flat_gather + "_1loop" * cfg.single_loop

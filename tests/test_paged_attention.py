@@ -161,6 +161,18 @@ def test_kernel_prefetch_pages(max_q_len):
     check_kernel(batch, max_q_len=max_q_len, prefetch_pages=True, block_q=16, block_kv=16)
 
 
+@pytest.mark.parametrize("knobs", [
+    {"flat_gather": True},
+    {"single_loop": True, "evict_first": True},
+    {"flat_gather": True, "single_loop": True, "prefetch_pages": True, "evict_first": True},
+])
+@pytest.mark.parametrize("max_q_len", [None, 1])
+def test_kernel_gather_and_loop_variants(knobs, max_q_len):
+    # Block size 8 with 2-page steps: per-key page ids cross a page inside every step.
+    batch = make_batch(np.random.default_rng(12), MIXED + [(1, 64), (5, 41)], heads=6)
+    check_kernel(batch, max_q_len=max_q_len, block_q=16, block_kv=16, **knobs)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_soft_cap(dtype):
     batch = make_batch(np.random.default_rng(7), MIXED, dtype=dtype)

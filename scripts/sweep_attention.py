@@ -1,0 +1,155 @@
+"""Sweeps `paged_attention`'s tuning knobs on the decode-side shapes that matter (GPU).
+
+Shapes: the two halves of issue 6's cascade decode at 256 x (592 shared + 232 own): the
+per-sequence suffix (causal, 232 keys, with LSE) and the shared prefix (592 keys, no
+mask, all 256 queries in one group, with LSE); issue 3's decode table (Llama-2-7B 32/32
+and Llama-3-8B 32/8 heads, batch 256 and 64, context 2048); issue 3's prefill (8 x 2048)
+and prefix-cached prefill (64 x (596 + 104) cached and uncached). Every config is
+checked against `paged_attention_reference` before it is timed; the table gives each
+shape's time and KV bandwidth per config, best first.
+
+    PYTHONPATH=$PWD python3 scripts/sweep_attention.py --output-json out.json
+    PYTHONPATH=$PWD python3 scripts/sweep_attention.py --smoke   # CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+import time
+
+import jax
+
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from scripts.bench_kernels import make_case, rel_err, timeit
+
+DECODE_KNOBS = {  # name -> paged_attention keyword arguments (max_q_len=1 added)
+    "default": {},
+    "flat": {"flat_gather": True},
+    "1loop": {"single_loop": True},
+    "flat+1loop": {"flat_gather": True, "single_loop": True},
+    "evict": {"evict_first": True},
+    "flat+evict": {"flat_gather": True, "evict_first": True},
+    "flat+prefetch": {"flat_gather": True, "prefetch_pages": True},
+    "kv128/s2": {"block_kv": 128, "num_stages": 2},
+    "flat+kv128/s2": {"flat_gather": True, "block_kv": 128, "num_stages": 2},
+    "kv32/s4": {"block_kv": 32, "num_stages": 4},
+    "flat+kv32/s4": {"flat_gather": True, "block_kv": 32, "num_stages": 4},
+    "w2": {"num_warps": 2},
+    "flat+w2": {"flat_gather": True, "num_warps": 2},
+}
+SPLIT_KNOBS = {f"{name}+split{s}": {**kw, "kv_splits": s}
+               for (name, kw), s in itertools.product(
+                   [("default", {}), ("flat", {"flat_gather": True}),
+                    ("flat+1loop", {"flat_gather": True, "single_loop": True})], (1, 2, 4))}
+PREFIX_KNOBS = {
+    f"bq{bq}/kv{kv}/split{s}{'+flat' if flat else ''}": {
+        "block_q": bq, "block_kv": kv, "kv_splits": s, "flat_gather": flat}
+    for bq, kv, s, flat in itertools.product((64, 128), (64,), (2, 4, 8), (False, True))
+}
+PREFILL_KNOBS = {
+    "default": {},
+    "flat": {"flat_gather": True},
+    "flat+evict": {"flat_gather": True, "evict_first": True},
+    "flat bq128/kv128/w8/s3": {"flat_gather": True, "block_kv": 128, "num_warps": 8,
+                               "num_stages": 3},
+    "flat bq256/kv64/w8/s3": {"flat_gather": True, "block_q": 256, "num_warps": 8,
+                              "num_stages": 3},
+    "bq128/kv64/w4/s3": {"num_stages": 3},
+}
+
+
+def shapes(smoke: bool):
+    """(name, case kwargs, paged_attention kwargs, knob table, bytes or FLOPs), in the
+    order of what matters most (the sweep writes its JSON after every shape)."""
+    d = 32 if smoke else 128
+    ctx, batches = (64, (4,)) if smoke else (2048, (256, 64))
+    hh = (4, 4) if smoke else (32, 32)
+    seqs, own, prefix = (8, 24, 32) if smoke else (256, 232, 592)
+    out = [(f"cascade suffix {seqs} x {own}",
+            dict(heads=hh, seqs=[(1, own)] * seqs, head_dim=d),
+            dict(max_q_len=1, return_lse=True), DECODE_KNOBS, 2 * seqs * own * hh[1] * d * 2),
+           (f"cascade prefix {seqs} q x {prefix}",
+            dict(heads=hh, seqs=[(seqs, prefix)], head_dim=d),
+            dict(causal=False, return_lse=True), PREFIX_KNOBS, 2 * prefix * hh[1] * d * 2)]
+    for b in batches:
+        for model, heads in (("llama2-7b", (32, 32)), ("llama3-8b", (32, 8))):
+            heads = (4, 4) if smoke and heads[1] == 32 else (4, 1) if smoke else heads
+            knobs = DECODE_KNOBS | (SPLIT_KNOBS if heads[0] != heads[1] or b == 64 else {})
+            out.append((f"decode {model} B{b} ctx{ctx}",
+                        dict(heads=heads, seqs=[(1, ctx)] * b, head_dim=d),
+                        dict(max_q_len=1), knobs, 2 * b * ctx * heads[1] * d * 2))
+    n, new, cached = (2, 40, 24) if smoke else (8, 2048, 596)
+    out.append((f"prefill {n} x {new}", dict(heads=hh, seqs=[(new, new)] * n, head_dim=d),
+                {}, PREFILL_KNOBS, 0))
+    n = 4 if smoke else 64
+    for label, q_len in (("cached", 104), ("uncached", cached + 104)):
+        out.append((f"prefix prefill {label} {n} x ({cached} + 104)",
+                    dict(heads=hh, seqs=[(q_len if not smoke else min(q_len, 30),
+                                          cached + 104)] * n, head_dim=d),
+                    {}, dict(list(PREFILL_KNOBS.items())[:3]), 0))
+    return out
+
+
+def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke):
+    case = make_case(len(name), **case_kw)
+    scale = case["q"].shape[-1] ** -0.5
+    ref = paged_attention_reference(**case, scale=scale, causal=fixed.get("causal", True),
+                                    return_lse=fixed.get("return_lse", False))
+    ref_o = ref[0] if isinstance(ref, tuple) else ref
+    rows = []
+    for label, kw in knobs.items():
+        fn = jax.jit(functools.partial(paged_attention, scale=scale, interpret=smoke,
+                                       **fixed, **kw))
+        try:
+            out = fn(**case)
+            out = out[0] if isinstance(out, tuple) else out
+            err = rel_err(out, ref_o)
+            t = timeit(fn, *case.values(), reps=3 if smoke else 10) if err < 2e-2 else None
+        except Exception as e:  # a config Triton cannot compile
+            print(f"  {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            err, t = None, None
+        rows.append({"knobs": label, "kwargs": kw, "rel_err": err, "seconds": t,
+                     "tb_s": kv_bytes / t / 1e12 if t and kv_bytes else None})
+        print(f"  {name} {label}: err {err} t {t}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output-json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
+    ap.add_argument("--only", default="", help="substring of the shape names to run")
+    args = ap.parse_args(argv)
+    result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+              "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+    for name, case_kw, fixed, knobs, kv_bytes in shapes(args.smoke):
+        if args.only not in name:
+            continue
+        if args.smoke:  # interpret mode is slow: two configs per shape
+            knobs = dict(list(knobs.items())[1:2] + list(knobs.items())[-1:])
+        print(name, flush=True)
+        result["shapes"][name] = sweep(name, case_kw, fixed, knobs, kv_bytes, args.smoke)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=1)
+    print(f"\njax {result['jax']} | {result['device']}")
+    for name, rows in result["shapes"].items():
+        ok = sorted((r for r in rows if r["seconds"]), key=lambda r: r["seconds"])
+        base = next((r for r in rows if r["knobs"] == "default" and r["seconds"]), None)
+        print(f"{name}: " + (f"default {base['seconds'] * 1e3:.3f} ms; " if base else ""))
+        for r in ok[:6]:
+            bw = f"{r['tb_s']:.2f} TB/s" if r["tb_s"] else ""
+            print(f"   {r['knobs']:24s} {r['seconds'] * 1e3:8.3f} ms  {bw}")
+    bad = [(n, r["knobs"]) for n, rows in result["shapes"].items() for r in rows
+           if r["rel_err"] is not None and not r["rel_err"] < 2e-2]
+    if bad:
+        print(f"MISMATCH against the reference: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
