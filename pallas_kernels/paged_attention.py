@@ -75,8 +75,8 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
 
 
 def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
-            kv_splits, interpret, prefetch_pages, causal, return_lse, flat_gather,
-            single_loop, evict_first) -> KernelConfig:
+            kv_splits, interpret, prefetch_pages, causal, return_lse, single_loop,
+            evict_first) -> KernelConfig:
     t, h, d = q.shape
     _, k, n, b, _ = k_cache.shape
     g = h // k
@@ -86,6 +86,8 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
     block_kv = max(block_kv, b)
     if not (_is_pow2(block_q) and _is_pow2(block_kv)):
         raise ValueError(f"block_q ({block_q}) and block_kv ({block_kv}) must be powers of 2")
+    if prefetch_pages is None:
+        prefetch_pages = decode
     if kv_splits is None:  # decode: one tile per token
         kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k)))) if decode else 1
     return KernelConfig(
@@ -94,15 +96,15 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         pages_per_step=block_kv // b, kv_splits=kv_splits, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
         dump_rows=interpret, prefetch_pages=prefetch_pages, causal=causal,
-        return_lse=return_lse, flat_gather=flat_gather, single_loop=single_loop,
+        return_lse=return_lse, single_loop=single_loop,
         evict_first=evict_first,
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
-    "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse", "flat_gather",
-    "single_loop", "evict_first"))
+    "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse", "single_loop",
+    "evict_first"))
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -121,10 +123,9 @@ def paged_attention(
     kv_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    prefetch_pages: bool = False,
+    prefetch_pages: bool | None = None,
     causal: bool = True,
     return_lse: bool = False,
-    flat_gather: bool = False,
     single_loop: bool = False,
     evict_first: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -138,18 +139,17 @@ def paged_attention(
     any other value (or None) the prefill tiling (`block_q` rows = tokens x padded query
     group per tile). Both compute the same function for any input. `block_kv` (keys per
     inner step), `num_warps`, `num_stages` (None: 3 decode, 4 prefill, 2 float32) and
-    `prefetch_pages` (load the next step's page ids a step early), `flat_gather` (gather
-    K/V one row per key instead of one page per id), `single_loop` (one masked key loop
-    instead of unmasked steps then the masked edge) and `evict_first` (cache hint on the
-    K/V loads) tune the Triton lowering; the defaults are the best measured on an H200
-    (docs/PERF.md).
+    `prefetch_pages` (load the next step's page ids a step early; None = on for the decode
+    tiling, off for prefill), `single_loop` (one masked key loop instead of unmasked
+    steps then the masked edge) and `evict_first` (cache hint on the K/V loads) tune the
+    Triton lowering; the defaults are the best measured on an H200 (docs/PERF.md).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,
                   max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
                   kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages,
-                  causal=causal, return_lse=return_lse, flat_gather=flat_gather,
-                  single_loop=single_loop, evict_first=evict_first)
+                  causal=causal, return_lse=return_lse, single_loop=single_loop,
+                  evict_first=evict_first)
     if num_stages is None:
         num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
     num_layers, k, n, b, d = k_cache.shape
@@ -158,9 +158,9 @@ def paged_attention(
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # pad -> null block 0
     meta = tile_metadata(cu_q_lens, kv_lens, t, cfg.tile_tokens)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    page_shape = (num_layers * k * n * b, d) if flat_gather else (num_layers * k * n, b, d)
-    out = run_kernel(q.reshape(t * h, d), k_cache.reshape(page_shape),
-                     v_cache.reshape(page_shape), layer, block_tables, meta, cfg,
+    rows = (num_layers * k * n * b, d)  # one row per cached token and head
+    out = run_kernel(q.reshape(t * h, d), k_cache.reshape(rows), v_cache.reshape(rows),
+                     layer, block_tables, meta, cfg,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if return_lse:
         return out[0].reshape(t, h, d), out[1].reshape(t, h)

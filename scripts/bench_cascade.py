@@ -47,15 +47,28 @@ def make_case(rng, seqs: int, prefix: int, own: int, heads=(32, 32), d=128):
     return plain, cascade
 
 
-def timeit(fn, reps=20):
+def timeit(fn, reps=20, inner=5):
+    """Median seconds per call: `inner` back-to-back calls, synchronised once per rep."""
     for _ in range(3):
         jax.block_until_ready(fn())
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
+        for _ in range(inner):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / inner)
     return statistics.median(times)
+
+
+def parts(casc, scale):
+    """The cascade's two kernel calls alone: (suffix seconds, shared-prefix seconds)."""
+    q, kc, vc, layer, ptab, plen, pcu, stab, slen, cu = casc
+    suffix = jax.jit(lambda: paged_attention(q, kc, vc, layer, stab, slen, cu, scale=scale,
+                                             max_q_len=1, return_lse=True))
+    prefix = jax.jit(lambda: paged_attention(q, kc, vc, layer, ptab, plen, pcu, scale=scale,
+                                             causal=False, return_lse=True))
+    return timeit(suffix), timeit(prefix)
 
 
 def rel_err(a, b):
@@ -81,9 +94,12 @@ def main() -> None:
             out_c = cascade_attention(*casc, scale=scale, max_q_len=1)
             t_p = timeit(lambda plain=plain: paged_attention(*plain, scale=scale, max_q_len=1))
             t_c = timeit(lambda casc=casc: cascade_attention(*casc, scale=scale, max_q_len=1))
+            t_suffix, t_prefix = parts(casc, scale)
             kv_bytes = 2 * seqs * (prefix + args.own) * 32 * 128 * 2
             rows.append(dict(seqs=seqs, prefix=prefix, own=args.own, plain_ms=t_p * 1e3,
                              cascade_ms=t_c * 1e3, speedup=t_p / t_c,
+                             suffix_ms=t_suffix * 1e3, prefix_ms=t_prefix * 1e3,
+                             suffix_tb_s=2 * seqs * args.own * 32 * 128 * 2 / t_suffix / 1e12,
                              plain_tb_s=kv_bytes / t_p / 1e12,
                              err_plain=rel_err(out_p, ref), err_cascade=rel_err(out_c, ref)))
             print(rows[-1], flush=True)
@@ -92,7 +108,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['seqs']:4d} seqs x ({r['prefix']} shared + {r['own']} own): plain "
               f"{r['plain_ms']:.3f} ms ({r['plain_tb_s']:.2f} TB/s) | cascade "
-              f"{r['cascade_ms']:.3f} ms | {r['speedup']:.2f}x | rel err "
+              f"{r['cascade_ms']:.3f} ms (suffix {r['suffix_ms']:.3f} ms at "
+              f"{r['suffix_tb_s']:.2f} TB/s, prefix {r['prefix_ms']:.3f}) | "
+              f"{r['speedup']:.2f}x | rel err "
               f"{r['err_plain']:.1e} / {r['err_cascade']:.1e}")
     if args.output_json:
         with open(args.output_json, "w") as f:

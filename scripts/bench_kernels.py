@@ -109,11 +109,10 @@ def tune_ours(case, configs, interpret):
 def decode_configs(smoke):
     if smoke:
         return [{"max_q_len": 1}, {"max_q_len": 1, "kv_splits": 2, "block_kv": 32}]
-    cfgs = [{}, {"prefetch_pages": True}]
-    cfgs += [{"prefetch_pages": True, "num_stages": s} for s in (2, 4)]
-    cfgs += [{"prefetch_pages": True, "num_warps": 2},
-             {"prefetch_pages": True, "block_kv": 128, "num_stages": 2}]
-    cfgs += [{"prefetch_pages": True, "kv_splits": s} for s in (1, 2, 4)]
+    cfgs = [{}, {"evict_first": True}, {"num_warps": 2}, {"evict_first": True, "num_warps": 2},
+            {"block_kv": 128, "num_stages": 2}, {"single_loop": True}]
+    cfgs += [{"kv_splits": s} for s in (1, 2, 4)]
+    cfgs += [{"single_loop": True, "kv_splits": s} for s in (1, 4)]
     return [{"max_q_len": 1, **c} for c in cfgs]
 
 
@@ -167,10 +166,9 @@ def bench_decode(smoke, results):
 def prefill_configs(smoke):
     if smoke:
         return [{}, {"block_q": 32, "block_kv": 32}]
-    grid = [(128, 32, 4, 4), (128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 3),
-            (256, 64, 8, 3), (64, 64, 4, 3)]
-    return [{}, {"prefetch_pages": True}] + [
-        {"block_q": q, "block_kv": k, "num_warps": w, "num_stages": s} for q, k, w, s in grid]
+    return [{}, {"evict_first": True}, {"num_stages": 3}, {"block_q": 64},
+            {"block_kv": 128, "num_warps": 8, "num_stages": 3}, {"block_kv": 32},
+            {"kv_splits": 2}]
 
 
 def cudnn_dense(batch, seq, heads, d, smoke):
@@ -193,7 +191,8 @@ def check_mixed(smoke, results):
         case = make_case(10 + i, heads=heads, seqs=seqs, head_dim=d, block_size=b,
                          dtype=dtype)
         ref = paged_attention_reference(**case, scale=0.1, soft_cap=30.0)
-        for knobs in ({}, {"prefetch_pages": True}, {"max_q_len": 1, "kv_splits": 3}):
+        for knobs in ({}, {"prefetch_pages": True}, {"max_q_len": 1, "kv_splits": 3},
+                      {"max_q_len": 1, "single_loop": True, "evict_first": True}):
             out = paged_attention(**case, scale=0.1, soft_cap=30.0, interpret=smoke, **knobs)
             rows.append({"heads": heads, "head_dim": d, "block_size": b,
                          "dtype": jnp.dtype(dtype).name, "knobs": knobs,
@@ -221,15 +220,12 @@ def bench_prefill(smoke, results):
     del case
     cached, new = (20, 8) if smoke else (596, 104)
     n = 4 if smoke else 64
-    top = sorted((r for r in rows if r["seconds"] == r["seconds"]),
-                 key=lambda r: r["seconds"])[:4]
-    top_cfgs = [r["config"] for r in top[:3]] or [{}]
     out = {}
     for label, q_len in (("uncached", cached + new), ("cached", new)):
         seqs = [(q_len, cached + new)] * n
         case = make_case(2, heads=heads, seqs=seqs, head_dim=d)
         print(f"prefix prefill {label}", flush=True)
-        best_c, _ = tune_ours(case, top_cfgs, smoke)
+        best_c, _ = tune_ours(case, prefill_configs(smoke), smoke)
         out[label] = {"ours": best_c, "flops": 4 * d * heads[0] * attn_pairs(seqs),
                       "tflops": 4 * d * heads[0] * attn_pairs(seqs) / best_c["seconds"] / 1e12}
         del case

@@ -28,40 +28,31 @@ from scripts.bench_kernels import make_case, rel_err, timeit
 
 DECODE_KNOBS = {  # name -> paged_attention keyword arguments (max_q_len=1 added)
     "default": {},
-    "flat": {"flat_gather": True},
-    "1loop": {"single_loop": True},
-    "flat+1loop": {"flat_gather": True, "single_loop": True},
+    "no-prefetch": {"prefetch_pages": False},
     "evict": {"evict_first": True},
-    "flat+evict": {"flat_gather": True, "evict_first": True},
-    "flat+prefetch": {"flat_gather": True, "prefetch_pages": True},
-    "kv128/s2": {"block_kv": 128, "num_stages": 2},
-    "flat+kv128/s2": {"flat_gather": True, "block_kv": 128, "num_stages": 2},
-    "kv32/s4": {"block_kv": 32, "num_stages": 4},
-    "kv32": {"block_kv": 32},
-    "flat+kv32": {"flat_gather": True, "block_kv": 32},
-    "flat+kv32/w2": {"flat_gather": True, "block_kv": 32, "num_warps": 2},
-    "flat+kv32/s4": {"flat_gather": True, "block_kv": 32, "num_stages": 4},
     "w2": {"num_warps": 2},
-    "flat+w2": {"flat_gather": True, "num_warps": 2},
+    "evict+w2": {"evict_first": True, "num_warps": 2},
+    "1loop": {"single_loop": True},
+    "kv128/s2": {"block_kv": 128, "num_stages": 2},
+    "kv32/s4": {"block_kv": 32, "num_stages": 4},
+    "kv32/w2": {"block_kv": 32, "num_warps": 2},
 }
 SPLIT_KNOBS = {f"{name}+split{s}": {**kw, "kv_splits": s}
                for (name, kw), s in itertools.product(
-                   [("default", {}), ("flat", {"flat_gather": True}),
-                    ("flat+1loop", {"flat_gather": True, "single_loop": True})], (1, 2, 4))}
+                   [("default", {}), ("1loop", {"single_loop": True}),
+                    ("kv32/s4", {"block_kv": 32, "num_stages": 4})], (1, 2, 4, 8))}
 PREFIX_KNOBS = {
-    f"bq{bq}/kv{kv}/split{s}{'+flat' if flat else ''}": {
-        "block_q": bq, "block_kv": kv, "kv_splits": s, "flat_gather": flat}
-    for bq, kv, s, flat in itertools.product((64, 128), (64,), (2, 4, 8), (False, True))
+    f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
+    for bq, s in itertools.product((64, 128), (2, 4, 8))
 }
 PREFILL_KNOBS = {
     "default": {},
-    "flat": {"flat_gather": True},
-    "flat+evict": {"flat_gather": True, "evict_first": True},
-    "flat bq128/kv128/w8/s3": {"flat_gather": True, "block_kv": 128, "num_warps": 8,
-                               "num_stages": 3},
-    "flat bq256/kv64/w8/s3": {"flat_gather": True, "block_q": 256, "num_warps": 8,
-                              "num_stages": 3},
-    "bq128/kv64/w4/s3": {"num_stages": 3},
+    "evict": {"evict_first": True},
+    "s3": {"num_stages": 3},
+    "kv128/w8/s3": {"block_kv": 128, "num_warps": 8, "num_stages": 3},
+    "bq64": {"block_q": 64},
+    "kv32/s4": {"block_kv": 32},
+    "split2": {"kv_splits": 2},
 }
 
 
@@ -93,11 +84,11 @@ def shapes(smoke: bool):
         out.append((f"prefix prefill {label} {n} x ({cached} + 104)",
                     dict(heads=hh, seqs=[(q_len if not smoke else min(q_len, 30),
                                           cached + 104)] * n, head_dim=d),
-                    {}, dict(list(PREFILL_KNOBS.items())[:3]), 0))
+                    {}, PREFILL_KNOBS, 0))
     return out
 
 
-def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke):
+def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps):
     case = make_case(len(name), **case_kw)
     scale = case["q"].shape[-1] ** -0.5
     ref = paged_attention_reference(**case, scale=scale, causal=fixed.get("causal", True),
@@ -111,7 +102,7 @@ def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke):
             out = fn(**case)
             out = out[0] if isinstance(out, tuple) else out
             err = rel_err(out, ref_o)
-            t = timeit(fn, *case.values(), reps=3 if smoke else 10) if err < 2e-2 else None
+            t = timeit(fn, *case.values(), reps=3 if smoke else reps) if err < 2e-2 else None
         except Exception as e:  # a config Triton cannot compile
             print(f"  {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             err, t = None, None
@@ -125,17 +116,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
-    ap.add_argument("--only", default="", help="substring of the shape names to run")
+    ap.add_argument("--only", default="", help="comma-separated substrings of the shape "
+                    "names to run (default all)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per config")
     args = ap.parse_args(argv)
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     for name, case_kw, fixed, knobs, kv_bytes in shapes(args.smoke):
-        if args.only not in name:
+        if not any(part in name for part in args.only.split(",")):
             continue
         if args.smoke:  # interpret mode is slow: two configs per shape
             knobs = dict(list(knobs.items())[1:2] + list(knobs.items())[-1:])
         print(name, flush=True)
-        result["shapes"][name] = sweep(name, case_kw, fixed, knobs, kv_bytes, args.smoke)
+        result["shapes"][name] = sweep(name, case_kw, fixed, knobs, kv_bytes, args.smoke,
+                                        args.reps)
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=1)

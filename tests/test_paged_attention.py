@@ -162,12 +162,12 @@ def test_kernel_prefetch_pages(max_q_len):
 
 
 @pytest.mark.parametrize("knobs", [
-    {"flat_gather": True},
-    {"single_loop": True, "evict_first": True},
-    {"flat_gather": True, "single_loop": True, "prefetch_pages": True, "evict_first": True},
+    {"single_loop": True},
+    {"evict_first": True, "prefetch_pages": False},
+    {"single_loop": True, "prefetch_pages": True, "evict_first": True},
 ])
 @pytest.mark.parametrize("max_q_len", [None, 1])
-def test_kernel_gather_and_loop_variants(knobs, max_q_len):
+def test_kernel_loop_and_cache_hint_variants(knobs, max_q_len):
     # Block size 8 with 2-page steps: per-key page ids cross a page inside every step.
     batch = make_batch(np.random.default_rng(12), MIXED + [(1, 64), (5, 41)], heads=6)
     check_kernel(batch, max_q_len=max_q_len, block_q=16, block_kv=16, **knobs)
