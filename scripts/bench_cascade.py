@@ -103,6 +103,9 @@ def main() -> None:
                              plain_tb_s=kv_bytes / t_p / 1e12,
                              err_plain=rel_err(out_p, ref), err_cascade=rel_err(out_c, ref)))
             print(rows[-1], flush=True)
+            if args.output_json:  # after every case: a timeout keeps what was measured
+                with open(args.output_json, "w") as f:
+                    json.dump(rows, f, indent=1)
     print(f"\ncascade vs plain paged decode attention, heads 32/32, D 128, bf16, block {B}, "
           f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     for r in rows:
@@ -112,9 +115,6 @@ def main() -> None:
               f"{r['suffix_tb_s']:.2f} TB/s, prefix {r['prefix_ms']:.3f}) | "
               f"{r['speedup']:.2f}x | rel err "
               f"{r['err_plain']:.1e} / {r['err_cascade']:.1e}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

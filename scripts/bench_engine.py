@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
                     llm, prompts[0], args.prefix_len, False, args.ttft_reps)
         del llm
         gc.collect()  # free its KV cache before the next engine sizes its own
+        if args.output_json:  # after every engine: a timeout keeps what was measured
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=1)
     print_table(results, args)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=1)
     return results
 
 

@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
         for policy in args.policy:
             runs.append(bench_config(model, reqs, args, policy, caching))
             print(json.dumps(runs[-1]), flush=True)
-    result = dict(benchmark="throughput", model=args.model, args=vars(args), runs=runs)
-    write_json(args.output_json, result)
+            result = dict(benchmark="throughput", model=args.model, args=vars(args), runs=runs)
+            write_json(args.output_json, result)  # after every run: a timeout keeps them
     print(f"\n{args.model} ({args.load_format}), dataset {args.dataset}, {len(reqs)} requests")
     print(format_table(runs))
     return result
