@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
             r = run_throughput(llm, prompts, args.prefix_len, out_len)
             results[f"throughput_{tag}_out{out_len}"] = r
             print(f"cache {tag} out {out_len}: {r}", flush=True)
-        if tag != "on_nocascade":  # single requests never cascade: TTFT as "on"
+        if tag != "on_nocascade" and args.ttft_reps > 0:  # single requests never cascade
             results[f"ttft_ms_{tag}_cached" if caching else "ttft_ms_off"] = run_ttft(
                 llm, prompts[0], args.prefix_len, caching, args.ttft_reps)
             if caching:
