@@ -12,6 +12,7 @@ from jprefix.async_engine import AsyncDriver
 from jprefix.engine import EngineArgs, LLMEngine
 from jprefix.outputs import RequestOutput
 from jprefix.parallel import make_mesh
+from jprefix.runner import prepare_params
 from jprefix.sampling_params import SamplingParams
 from jprefix.validation import as_prompt_list, broadcast
 from models.loader import LoadedModel, load, model_config
@@ -40,12 +41,16 @@ class LLM:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}")
         args = EngineArgs(tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
         owned = not isinstance(model, LoadedModel)
-        if owned:  # loaded here: the engine may replace its weights' layout in place
+        if owned:  # loaded here, so nobody else holds the weights
             mesh = None
             if tensor_parallel_size != 1:  # check tp against the config, then load sharded
                 mesh = make_mesh(model_config(model, load_format), tensor_parallel_size)
             model = load(model, dtype, load_format, mesh=mesh)
-        self.engine = LLMEngine(model, args, owns_weights=owned)
+            # The step's layout replaces the loaded one before the engine sizes its KV
+            # cache from free memory: one copy of the weights, not two.
+            model = dataclasses.replace(model, params=prepare_params(
+                model.params, model.config, mesh, args.unroll_layers))
+        self.engine = LLMEngine(model, args)
         self._driver = AsyncDriver(self.engine)
 
     @property

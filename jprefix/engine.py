@@ -24,7 +24,7 @@ from jprefix.detokenizer import IncrementalDetokenizer
 from jprefix.outputs import RequestOutput
 from jprefix.parallel import make_mesh
 from jprefix.prefix_cache import PrefixPool
-from jprefix.runner import ModelRunner, prepare_params
+from jprefix.runner import ModelRunner
 from jprefix.sampling_params import SamplingParams
 from jprefix.scheduler import Scheduler
 from jprefix.sequence import Sequence
@@ -77,23 +77,20 @@ class _InFlight:
 class LLMEngine:
     """Owns the scheduler (host) and the model runner (device)."""
 
-    def __init__(self, model: Any, args: EngineArgs | None = None, owns_weights: bool = False,
-                 runner: Any = None):
-        """`owns_weights`: nobody else uses `model.params`, so they are replaced by the
-        step's layout (per-layer, fused) instead of kept beside it (one copy, not two).
-        `runner`: a ModelRunner-like object to use instead of building one (benchmarks of
-        the host side run the engine over a stub)."""
+    def __init__(self, model: Any, args: EngineArgs | None = None, runner: Any = None):
+        """`model.params` in any layout `jprefix.runner.prepare_params` takes; the runner
+        keeps the step's layout (per-layer, fused on one device) beside them unless they
+        are in it already (`LLM` prepares the weights it loads itself, so there is one
+        copy). `runner`: a ModelRunner-like object to use instead of building one
+        (benchmarks of the host side run the engine over a stub)."""
         self.model, self.args = model, args or EngineArgs()
         cfg = model.config
         self.max_model_len = min(self.args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         if runner is None:
             mesh = make_mesh(cfg, self.args.tensor_parallel_size)
-            params = prepare_params(model.params, cfg, mesh, self.args.unroll_layers)
-            if owns_weights:  # (LoadedModel is frozen; the LLM that loaded it owns it)
-                object.__setattr__(model, "params", params)  # frees the loaded layout now
             runner = ModelRunner(
-                params, cfg, self.args.num_kv_blocks, self.args.block_size,
+                model.params, cfg, self.args.num_kv_blocks, self.args.block_size,
                 model.params.embed.dtype, backend=self.args.attention_backend,
                 buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
                 memory_fraction=self.args.gpu_memory_utilization,

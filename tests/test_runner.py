@@ -31,6 +31,24 @@ def test_unrolled_layers_match_scanned_layers_and_stay_in_place():
     assert report["alias_bytes"] == report["kv_bytes"]
 
 
+def test_llm_that_loads_its_model_keeps_one_copy_of_the_weights():
+    """The step's layout (per-layer, fused) replaces the loaded one, so the engine's model
+    and the runner hold the same buffers; a model passed in by the caller is left as is."""
+    import jax
+
+    llm = LLM("tiny-llama3", dtype="float32", load_format="dummy", block_size=8,
+              num_kv_blocks=32, unroll_layers=True)
+    held = jax.tree_util.tree_leaves(llm.engine.model.params)
+    used = jax.tree_util.tree_leaves(llm.engine.runner.params)
+    assert isinstance(llm.engine.model.params.layers, tuple)
+    assert len(held) == len(used) and all(a is b for a, b in zip(held, used))
+    tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
+    stacked = tiny.params
+    llm = LLM(tiny, block_size=8, num_kv_blocks=32, unroll_layers=True)
+    assert tiny.params is stacked and not isinstance(tiny.params.layers, tuple)
+    assert isinstance(llm.engine.runner.params.layers, tuple)
+
+
 def test_a_failed_launch_fails_every_later_step_clearly(monkeypatch):
     """After a step raises on the launch thread, later steps refuse with a clear error
     instead of running on a consumed cache and stale pending tokens."""
