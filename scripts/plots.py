@@ -4,7 +4,8 @@
 
 Throughput files give one bar chart each (output tok/s and prefill tokens computed per
 configuration); latency files give E2E / TTFT percentiles per trial, and all latency files
-together a chart of the highest QPS within the latency bound. matplotlib is optional
+together a chart of the highest QPS within the latency bound; bench_engine files give
+output tok/s per engine mode and output length, and TTFT. matplotlib is optional
 (`pip install matplotlib`, or the project's `bench` extra).
 """
 
@@ -82,6 +83,29 @@ def plot_qps_at_bound(results: list[dict], out: Path, plt) -> Path:
     return out
 
 
+def plot_engine(result: dict, out: Path, plt) -> Path:
+    """bench_engine.py JSON: output tok/s per mode and output length, and TTFT."""
+    runs = {k[len("throughput_"):]: v for k, v in result.items() if k.startswith("throughput_")}
+    ttft = {k[len("ttft_ms_"):]: v for k, v in result.items() if k.startswith("ttft_ms_")}
+    fig, axes = plt.subplots(1, 2 if ttft else 1, figsize=(10 if ttft else 6, 4),
+                             squeeze=False)
+    names = [k.replace("_out", "\nout ").replace("on_nocascade", "on, no cascade")
+             for k in runs]
+    bars = axes[0][0].bar(names, [r["output_tok_s"] for r in runs.values()], color="tab:blue")
+    axes[0][0].bar_label(bars, fmt="%.0f")
+    axes[0][0].set_title("output tokens / s (cache on = with cascade decode)")
+    if ttft:
+        bars = axes[0][1].bar(list(ttft), list(ttft.values()), color="tab:orange")
+        axes[0][1].bar_label(bars, fmt="%.1f")
+        axes[0][1].set_title("time to first token (ms), one request")
+    fig.suptitle(f"{result['model']}: {result['num_prompts']} x ({result['prefix_len']} shared "
+                 f"+ {result['unique_len']}) tokens")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="+", help="files written with --output-json")
@@ -96,12 +120,15 @@ def main(argv: list[str] | None = None) -> list[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         if result.get("benchmark") == "throughput":
             written.append(plot_throughput(result, out, plt))
+        elif any(k.startswith("throughput_") for k in result):  # bench_engine.py
+            written.append(plot_engine(result, out, plt))
         elif result.get("benchmark") == "latency":
             written.append(plot_latency(result, out, plt))
             if result.get("latency_bound_ms") is not None:
                 swept.append(result)
         else:
-            raise SystemExit(f"{path}: not a bench_throughput or bench_latency JSON file")
+            raise SystemExit(f"{path}: not a bench_throughput, bench_latency or bench_engine "
+                             "JSON file")
     if len(swept) > 1:
         out_dir = Path(args.out_dir) if args.out_dir else Path(args.json[0]).parent
         written.append(plot_qps_at_bound(swept, out_dir / "qps_at_latency_bound.png", plt))

@@ -169,6 +169,9 @@ def test_bench_engine_smoke(tmp_path):
     assert on["prefill_tokens"] < off["prefill_tokens"]  # the shared prefix once
     assert on["peak_used_blocks"] < off["peak_used_blocks"]
     assert r["ttft_ms_on_cached"] > 0 and r["ttft_ms_off"] > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # its chart
+        png = script("plots").main([str(out), "--out-dir", str(tmp_path)])
+        assert len(png) == 1 and png[0].stat().st_size > 1000
 
 
 def test_profile_engine_smoke(tmp_path):
