@@ -7,7 +7,6 @@ the reserved null block 0 and padding sequences have q_len = kv_len = 0.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -38,50 +37,59 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
     `token_src` = its row in that step's device output (-1 for every known token).
     """
     n = len(scheduled)
-    q_lens = np.fromiter((sc.num_new_tokens for sc in scheduled), np.int32, n)
-    starts = np.fromiter((sc.start for sc in scheduled), np.int32, n)
-    tables = [sc.seq.block_table for sc in scheduled]
-    table_lens = np.fromiter(map(len, tables), np.int64, n)
-    num_tokens = int(q_lens.sum())
+    # One Python pass over the rows (their known token ids and scalars); the rest is
+    # whole-array numpy.
+    ids: list[int] = []
+    pending: list[tuple[int, int]] = []  # (flat token index, source row)
+    tables, scalars = [], []
+    for sc in scheduled:
+        seq, q, start = sc.seq, sc.num_new_tokens, sc.start
+        known = seq.all_token_ids[start : start + q]
+        ids += known
+        if len(known) < q:  # only the newest token can be pending
+            if len(known) != q - 1:
+                raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
+            pending.append((len(ids), seq.pending_row))
+            ids.append(0)
+        tables.append(seq.block_table_array())
+        sp = seq.sampling_params
+        scalars.append((q, start, len(seq.prompt_token_ids), sp.temperature, sp.top_k,
+                        sp.top_p, seq.seed))
+    cols = np.array(scalars, np.float64).reshape(n, 7).T  # exact for int32/uint32 values
+    q_lens, starts = cols[0].astype(np.int32), cols[1].astype(np.int32)
+    num_tokens = len(ids)
     T = bucket(num_tokens, buckets.min_tokens)
     S = bucket(n, buckets.min_seqs)
-    M = bucket(int(table_lens.max()), buckets.min_blocks)
+    block_tables = ragged_rows(tables, S, buckets.min_blocks)
 
     cu_q_lens = np.full(S + 1, num_tokens, np.int32)
     cu_q_lens[0] = 0
     cu_q_lens[1 : n + 1] = np.cumsum(q_lens)
-    # Python touches each row once (its known token ids); the rest is whole-array numpy.
-    ids: list[int] = []
-    token_src = np.full(T, -1, np.int32)
-    for sc in scheduled:
-        end = sc.start + sc.num_new_tokens
-        known = sc.seq.all_token_ids[sc.start : end]
-        ids += known
-        if len(known) < sc.num_new_tokens:  # only the newest token can be pending
-            if len(known) != sc.num_new_tokens - 1:
-                raise RuntimeError(f"{sc.seq!r}: more than one pending token scheduled")
-            token_src[len(ids)] = sc.seq.pending_row
-            ids.append(0)
     token_ids = np.zeros(T, np.int32)
     token_ids[:num_tokens] = ids
+    token_src = np.full(T, -1, np.int32)
+    if pending:
+        at, rows = zip(*pending, strict=True)
+        token_src[list(at)] = rows
     positions = np.zeros(T, np.int32)
     positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
                               + np.repeat(starts - cu_q_lens[:n], q_lens))
-    block_tables = np.zeros((S, M), np.int32)
-    rows = np.repeat(np.arange(n), table_lens)
-    cols = np.arange(len(rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
-    block_tables[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), np.int32,
-                                           len(rows))
     kv_lens = np.zeros(S, np.int32)
     kv_lens[:n] = starts + q_lens
 
-    seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
+    seq_of_token = np.repeat(np.arange(n), q_lens)
     slot_mapping = np.zeros(T, np.int32)  # padding -> slot 0 of the null block
     slot_mapping[:num_tokens] = (
         block_tables[seq_of_token, positions[:num_tokens] // block_size] * block_size
         + positions[:num_tokens] % block_size
     )
     logits_idx = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+
+    def column(values, fill, dtype) -> np.ndarray:
+        out = np.full(S, fill, dtype)
+        out[:n] = values.astype(dtype)
+        return out
+
     return dict(
         token_ids=token_ids,
         positions=positions,
@@ -91,28 +99,26 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
         kv_lens=kv_lens,
         cu_q_lens=cu_q_lens,
         logits_idx=logits_idx,
-        **_sampling_arrays(scheduled, S),
-    )
-
-
-def _sampling_arrays(scheduled: Seq, S: int) -> dict[str, np.ndarray]:
-    n = len(scheduled)
-    params = [sc.seq.sampling_params for sc in scheduled]
-
-    def column(values, fill, dtype) -> np.ndarray:
-        out = np.full(S, fill, dtype)
-        out[:n] = np.fromiter(values, dtype, n)
-        return out
-
-    return dict(
-        temperature=column((sp.temperature for sp in params), 0, np.float32),
-        top_k=column((sp.top_k for sp in params), -1, np.int32),
-        top_p=column((sp.top_p for sp in params), 1, np.float32),
-        seeds=column((sc.seq.seed for sc in scheduled), 0, np.uint32),
+        temperature=column(cols[3], 0, np.float32),
+        top_k=column(cols[4], -1, np.int32),
+        top_p=column(cols[5], 1, np.float32),
+        seeds=column(cols[6], 0, np.uint32),
         # index of the output token sampled from each row
-        counters=column((sc.start + sc.num_new_tokens - len(sc.seq.prompt_token_ids)
-                         for sc in scheduled), 0, np.int32),
+        counters=column(cols[1] + cols[0] - cols[2], 0, np.int32),
     )
+
+
+def ragged_rows(rows: Seq[np.ndarray], num_rows: int, min_width: int) -> np.ndarray:
+    """int32 [num_rows, bucket(longest, min_width)] holding `rows` left-aligned, zeros
+    (the null block) elsewhere: one concatenate and one scatter, no per-row copies."""
+    lens = np.fromiter(map(len, rows), np.int64, len(rows))
+    width = bucket(int(lens.max()) if len(rows) else 0, min_width)
+    out = np.zeros((num_rows, width), np.int32)
+    if len(rows):
+        r = np.repeat(np.arange(len(rows)), lens)
+        c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens, lens)
+        out[r, c] = np.concatenate(rows)
+    return out
 
 
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array

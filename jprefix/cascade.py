@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jprefix.batch import bucket
+from jprefix.batch import bucket, ragged_rows
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,12 @@ class CascadePlan:
 
 def shared_blocks(block_table: list[int], limit: int, ref_count: Callable[[int], int]) -> int:
     """Length of the leading run of blocks with ref count >= 2, at most `limit`
-    (binary search: the run is prefix-closed)."""
+    (binary search: the run is prefix-closed). Only prefix-trie blocks are ever shared,
+    so callers pass `limit` <= the sequence's registered blocks; the common answer, all
+    of them, costs one lookup."""
     lo, hi = 0, min(limit, len(block_table))
+    if hi and ref_count(block_table[hi - 1]) >= 2:
+        return hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if ref_count(block_table[mid - 1]) >= 2:
@@ -57,8 +61,10 @@ def plan_cascade(
         return None
     by_last: dict[int, list[tuple[int, int]]] = {}
     for i, sc in enumerate(scheduled):
-        # blocks wholly before the query's own position sc.start
-        p = shared_blocks(sc.seq.block_table, sc.start // block_size, ref_count)
+        # registered blocks wholly before the query's own position sc.start
+        seq = sc.seq
+        p = shared_blocks(seq.block_table, min(sc.start // block_size,
+                                               seq.num_registered_blocks), ref_count)
         if p >= min_blocks:
             by_last.setdefault(sc.seq.block_table[p - 1], []).append((i, p))
     groups = [members for members in by_last.values() if len(members) >= min_group]
@@ -90,13 +96,11 @@ def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bu
         p = plan.prefix_blocks[first]
         prefix_tables[g, :p] = scheduled[first].seq.block_table[:p]
         prefix_lens[g] = p * block_size
-    suffix = [sc.seq.block_table[p:] for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
-    Ms = bucket(max(len(s) for s in suffix), min_blocks_bucket)
-    suffix_tables = np.zeros((num_seqs_bucket, Ms), np.int32)
+    rows = [(sc.seq.block_table_array()[p:], sc.start + 1 - p * block_size)
+            for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
+    suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket)
     suffix_lens = np.zeros(num_seqs_bucket, np.int32)
-    for i, (sc, p) in enumerate(zip(scheduled, plan.prefix_blocks, strict=True)):
-        suffix_tables[i, : len(suffix[i])] = suffix[i]
-        suffix_lens[i] = sc.start + 1 - p * block_size
+    suffix_lens[: len(rows)] = [r[1] for r in rows]
     return dict(prefix_block_tables=prefix_tables, prefix_kv_lens=prefix_lens,
                 prefix_cu_q_lens=prefix_cu, suffix_block_tables=suffix_tables,
                 suffix_kv_lens=suffix_lens)

@@ -154,7 +154,8 @@ class LLMEngine:
         prefix_len = check_prefix_len(prefix_len, len(ids))
         if request_id is None:
             request_id = f"jprefix-{next(self._ids)}"  # itertools.count: thread-safe
-        seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
+        # the device's sampling stream takes a 32-bit seed: larger seeds are folded
+        seed = sp.seed % 2**32 if sp.seed is not None else int(self._rng.integers(2**31))
         return Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt,
                         seed=seed, prompt=prompt if isinstance(prompt, str) else None)
 

@@ -18,6 +18,7 @@ newest token is pending decodes it from the previous step's device output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from jprefix.block_manager import BlockManager
 from jprefix.config import SchedulerConfig
@@ -26,11 +27,11 @@ from jprefix.prefix_cache import PrefixPool
 from jprefix.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """Compute the tokens at positions start..start+num_new_tokens-1 of `seq` (the last
     of them may still be pending: sampled by the step before, not yet on the host);
-    `sample` says whether the step samples the token after them."""
+    `sample` says whether the step samples the token after them. (A NamedTuple: one is
+    made per row per step.)"""
 
     seq: Sequence
     start: int
@@ -120,15 +121,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in list(self.running.values()):
+        running, block_size = SequenceStatus.RUNNING, self.block_size
+        for seq in list(self.running.values()):  # (runs per row per step: kept lean)
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
+            if seq.status is not running:  # preempted earlier this step
                 continue
             remaining = seq.num_scheduled_tokens - seq.num_computed_tokens
             if remaining == 0 or self._at_max_tokens(seq):
                 continue  # its pending token is the last, or the step before it runs
-            n = self._reserve_running(seq, min(remaining, budget), out)
+            n = min(remaining, budget)
+            if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
+                n = self._reserve_running(seq, n, out)  # needs blocks: may preempt
             if n:
                 out.scheduled.append(self._commit(seq, n))
                 budget -= n
@@ -271,12 +275,12 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, seq: Sequence) -> str | None:
-        sp, token = seq.sampling_params, seq.all_token_ids[-1]
-        if seq.num_output_tokens >= getattr(sp, "min_tokens", 0):
-            if token in (sp.stop_token_ids or ()):
+        sp, token, num_out = seq.sampling_params, seq.all_token_ids[-1], seq.num_output_tokens
+        if num_out >= getattr(sp, "min_tokens", 0):
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop"
             if not sp.ignore_eos and token in self.config.eos_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= sp.max_tokens:
+        if num_out >= sp.max_tokens:
             return "length"
         return None

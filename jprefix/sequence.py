@@ -6,6 +6,8 @@ import enum
 import time
 from typing import Any
 
+import numpy as np
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -28,6 +30,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_IGNORED: "error",
 }
 FINISHED_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
+_UNFINISHED = tuple(s for s in SequenceStatus if s not in _FINISH_REASONS)
 
 
 class Sequence:
@@ -73,6 +76,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.stop_text: str | None = None  # output text cut before a matched stop string
         self.detokenizer: Any = None  # IncrementalDetokenizer, when stop strings are watched
+        self._table_array: tuple[list[int], np.ndarray] | None = None  # block_table_array
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -104,7 +108,24 @@ class Sequence:
         self._token_ids.append(token_id)
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status not in _UNFINISHED  # (tuple identity test: no enum hashing)
+
+    def block_table_array(self) -> np.ndarray:
+        """`block_table` as an int32 array, kept between steps: a block table list only
+        grows (by `append`/`extend`) until it is replaced by another list, so the array is
+        rebuilt only for a new list and extended by the new tail otherwise."""
+        table, cached = self.block_table, self._table_array
+        if cached is not None and cached[0] is table:
+            arr = cached[1]
+            if len(arr) == len(table):
+                return arr
+            if len(arr) < len(table):
+                arr = np.concatenate([arr, np.asarray(table[len(arr):], np.int32)])
+                self._table_array = (table, arr)
+                return arr
+        arr = np.asarray(table, np.int32).reshape(-1)
+        self._table_array = (table, arr)
+        return arr
 
     def set_finished(self, reason: str) -> None:
         """Marks the sequence finished: reason is 'stop', 'length', 'abort' or 'error'."""

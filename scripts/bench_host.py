@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     result = dict(num_seqs=args.num_prompts, cascade=not args.no_cascade,
                   ms_per_step_min=min(chunks), ms_per_step_median=statistics.median(chunks))
     print(f"host work per decode step, {args.num_prompts} sequences, cascade "

@@ -41,11 +41,26 @@ def _prompt(seed, n=20, vocab=256):
         (dict(top_k=0), "top_k"),
         (dict(top_k=-2), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature="0.7"), "temperature"),
+        (dict(top_p=float("inf")), "top_p"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed=2**64), "seed"),
     ],
 )
 def test_invalid_sampling_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_a_seed_beyond_32_bits_is_folded_not_rejected(llm):
+    sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=seed)  # noqa: E731
+    big, small = (llm.generate([GOOD], sp(s), use_tqdm=False)[0].token_ids
+                  for s in (2**40 + 12345, 12345))
+    assert big == small
 
 
 GOOD = [7, 8, 9, 10, 11]

@@ -76,3 +76,20 @@ def test_flatten_batch_round_trips_through_two_buffers():
     for name, value in batch.items():
         assert back[name].dtype == value.dtype, name
         np.testing.assert_array_equal(np.asarray(back[name]), value)
+
+
+def test_block_table_array_follows_the_list_through_growth_and_replacement():
+    seq = Sequence("r", [1, 2, 3], SamplingParams())
+    seq.block_table = [5, 9]
+    first = seq.block_table_array()
+    assert first.tolist() == [5, 9] and first.dtype == np.int32
+    assert seq.block_table_array() is first  # unchanged list: the same array
+    seq.block_table.append(4)
+    seq.block_table.extend([8, 1])
+    assert seq.block_table_array().tolist() == [5, 9, 4, 8, 1]
+    seq.reset_blocks()  # preemption: a new, empty list
+    assert seq.block_table_array().tolist() == []
+    seq.block_table = [7]  # replaced (e.g. by the prefix cache's match)
+    assert seq.block_table_array().tolist() == [7]
+    b = pack_step([ScheduledSeq(seq, 0, 3, True)], B, BucketConfig())
+    assert b["block_tables"][0, :2].tolist() == [7, 0]

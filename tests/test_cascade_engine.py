@@ -14,9 +14,12 @@ from models.llama import dense_generate
 BS = 8
 
 
-def _decode(blocks, kv_len):
-    return SimpleNamespace(seq=SimpleNamespace(block_table=blocks), start=kv_len - 1,
-                           num_new_tokens=1)
+def _decode(blocks, kv_len, registered=None):
+    """A decode row; its blocks are prefix-trie blocks (`registered`: all by default)."""
+    seq = SimpleNamespace(block_table=blocks,
+                          num_registered_blocks=len(blocks) if registered is None else registered,
+                          block_table_array=lambda: np.asarray(blocks, np.int32))
+    return SimpleNamespace(seq=seq, start=kv_len - 1, num_new_tokens=1)
 
 
 def test_shared_blocks_is_the_leading_run_of_shared_refs():
@@ -47,6 +50,9 @@ def test_plan_groups_by_shared_prefix_and_orders_groups_first():
     assert arrays["suffix_block_tables"][0, :1].tolist() == [20]
     assert arrays["suffix_kv_lens"][:5].tolist() == [30 - 24, 26 - 24, 12, 20, 9]
     assert plan_cascade(scheduled, BS, refs.get, min_group=3, min_blocks=1) is None
+    # a shared block counts only up to the sequence's registered (trie) blocks
+    capped = [_decode([1, 2, 3, 20], 30, registered=2), _decode([1, 2, 3, 22], 26)]
+    assert plan_cascade(capped, BS, refs.get, min_group=1, min_blocks=1).prefix_blocks == [2, 3]
     prefill = [SimpleNamespace(seq=SimpleNamespace(block_table=[1]), start=0, num_new_tokens=5)]
     assert plan_cascade(prefill, BS, refs.get, min_group=1, min_blocks=0) is None
 
