@@ -41,7 +41,7 @@ def test_llm_that_loads_its_model_keeps_one_copy_of_the_weights():
     held = jax.tree_util.tree_leaves(llm.engine.model.params)
     used = jax.tree_util.tree_leaves(llm.engine.runner.params)
     assert isinstance(llm.engine.model.params.layers, tuple)
-    assert len(held) == len(used) and all(a is b for a, b in zip(held, used))
+    assert len(held) == len(used) and all(a is b for a, b in zip(held, used, strict=True))
     tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
     stacked = tiny.params
     llm = LLM(tiny, block_size=8, num_kv_blocks=32, unroll_layers=True)
