@@ -209,12 +209,13 @@ class LLMEngine:
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
         scheduled = done.out.scheduled
-        sampled = {sc.seq.request_id: t
-                   for sc, t in zip(scheduled, tokens.tolist(), strict=True) if sc.sample}
-        now = time.monotonic()
-        for sc in scheduled:
-            if sc.sample and sc.seq.first_token_time is None:
-                sc.seq.first_token_time = now
+        sampled, now = {}, time.monotonic()
+        for sc, t in zip(scheduled, tokens.tolist(), strict=True):
+            if sc.sample:
+                seq = sc.seq
+                sampled[seq.request_id] = t
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
         finished = self.scheduler.update(done.out, sampled)
         finished += self._check_stop_strings(scheduled, sampled)
         self._record(done, t_fetched)
@@ -260,7 +261,7 @@ class LLMEngine:
         for sc in scheduled:
             seq = sc.seq
             stops = seq.sampling_params.stop
-            if seq.request_id not in sampled or seq.is_finished() or not stops:
+            if not stops or seq.request_id not in sampled or seq.is_finished():
                 continue
             if seq.detokenizer is None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
