@@ -28,20 +28,23 @@ class BucketConfig:
     min_blocks: int = 4
 
 
-def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[str, np.ndarray]:
+def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
+              cache: PackCache | None = None) -> dict[str, np.ndarray]:
     """Builds the step's input arrays from a list of ScheduledSeq.
 
     Returns token_ids/positions/slot_mapping/token_src [T], block_tables [S, M],
     kv_lens [S], cu_q_lens [S+1], logits_idx [S] and the sampling arrays [S]. A token
     still pending on the host (sampled by the step before, async scheduling) has
     `token_src` = its row in that step's device output (-1 for every known token).
+    `cache` (kept by the caller between steps) lets a step like the last one (the same
+    sequences in the same order, as in steady decoding) reuse its tables and constants.
     """
     n = len(scheduled)
-    # One Python pass over the rows (their known token ids and scalars); the rest is
-    # whole-array numpy.
+    # One Python pass over the rows (their known token ids, lengths and tables); the
+    # rest is whole-array numpy.
     ids: list[int] = []
     pending: list[tuple[int, int]] = []  # (flat token index, source row)
-    tables, scalars = [], []
+    seqs, tables, q_list, start_list = [], [], [], []
     for sc in scheduled:
         seq, q, start = sc.seq, sc.num_new_tokens, sc.start
         known = seq.all_token_ids[start : start + q]
@@ -51,16 +54,18 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
                 raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
             pending.append((len(ids), seq.pending_row))
             ids.append(0)
+        seqs.append(seq)
         tables.append(seq.block_table_array())
-        sp = seq.sampling_params
-        scalars.append((q, start, len(seq.prompt_token_ids), sp.temperature, sp.top_k,
-                        sp.top_p, seq.seed))
-    cols = np.array(scalars, np.float64).reshape(n, 7).T  # exact for int32/uint32 values
-    q_lens, starts = cols[0].astype(np.int32), cols[1].astype(np.int32)
+        q_list.append(q)
+        start_list.append(start)
+    q_lens = np.array(q_list, np.int32).reshape(n)
+    starts = np.array(start_list, np.int32).reshape(n)
+    consts = _sampling_constants(seqs, cache)
     num_tokens = len(ids)
     T = bucket(num_tokens, buckets.min_tokens)
     S = bucket(n, buckets.min_seqs)
-    block_tables = ragged_rows(tables, S, buckets.min_blocks)
+    block_tables = ragged_rows(tables, S, buckets.min_blocks,
+                               None if cache is None else cache.tables)
 
     cu_q_lens = np.full(S + 1, num_tokens, np.int32)
     cu_q_lens[0] = 0
@@ -99,26 +104,73 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig) -> dict[st
         kv_lens=kv_lens,
         cu_q_lens=cu_q_lens,
         logits_idx=logits_idx,
-        temperature=column(cols[3], 0, np.float32),
-        top_k=column(cols[4], -1, np.int32),
-        top_p=column(cols[5], 1, np.float32),
-        seeds=column(cols[6], 0, np.uint32),
+        temperature=column(consts[1], 0, np.float32),
+        top_k=column(consts[2], -1, np.int32),
+        top_p=column(consts[3], 1, np.float32),
+        seeds=column(consts[4], 0, np.uint32),
         # index of the output token sampled from each row
-        counters=column(cols[1] + cols[0] - cols[2], 0, np.int32),
+        counters=column(starts + q_lens - consts[0], 0, np.int32),
     )
 
 
-def ragged_rows(rows: Seq[np.ndarray], num_rows: int, min_width: int) -> np.ndarray:
+def _sampling_constants(seqs: list, cache: PackCache | None) -> np.ndarray:
+    """float64 [5, n]: prompt length, temperature, top_k, top_p, seed of each row's
+    sequence (exact for int32/uint32 values); the last step's when its sequences match."""
+    if cache is not None and cache.constants is not None and cache.seqs == seqs:
+        return cache.constants  # (list == compares the sequences by identity)
+    rows = [(len(s.prompt_token_ids), s.sampling_params.temperature, s.sampling_params.top_k,
+             s.sampling_params.top_p, s.seed) for s in seqs]
+    consts = np.array(rows, np.float64).reshape(len(seqs), 5).T
+    if cache is not None:
+        cache.seqs, cache.constants = seqs, consts
+    return consts
+
+
+class RowsCache:
+    """The last `[S, M]` table `ragged_rows` built and the arrays of its rows: the next
+    table with the same shape updates only the rows whose array changed (an int32 block
+    table array is replaced, never modified, when its list grows)."""
+
+    def __init__(self):
+        self.rows: list[np.ndarray] = []
+        self.table: np.ndarray | None = None
+
+
+def ragged_rows(rows: Seq[np.ndarray], num_rows: int, min_width: int,
+                cache: RowsCache | None = None) -> np.ndarray:
     """int32 [num_rows, bucket(longest, min_width)] holding `rows` left-aligned, zeros
-    (the null block) elsewhere: one concatenate and one scatter, no per-row copies."""
+    (the null block) elsewhere: one concatenate and one scatter, no per-row copies; with
+    `cache`, a copy of the last table with only the changed rows rewritten."""
     lens = np.fromiter(map(len, rows), np.int64, len(rows))
     width = bucket(int(lens.max()) if len(rows) else 0, min_width)
-    out = np.zeros((num_rows, width), np.int32)
-    if len(rows):
-        r = np.repeat(np.arange(len(rows)), lens)
-        c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens, lens)
-        out[r, c] = np.concatenate(rows)
+    last = None if cache is None else cache.table
+    if (last is not None and last.shape == (num_rows, width)
+            and len(cache.rows) == len(rows)):
+        out = last.copy()
+        for i, (row, old) in enumerate(zip(rows, cache.rows, strict=True)):
+            if row is not old:
+                out[i] = 0
+                out[i, : len(row)] = row
+    else:
+        out = np.zeros((num_rows, width), np.int32)
+        if len(rows):
+            r = np.repeat(np.arange(len(rows)), lens)
+            c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens, lens)
+            out[r, c] = np.concatenate(rows)
+    if cache is not None:
+        cache.rows, cache.table = list(rows), out
     return out
+
+
+class PackCache:
+    """What consecutive steps' packing can reuse (a runner keeps one): the block-table
+    matrices (`RowsCache`, the step's and the cascade's suffix tables) and the per-row
+    sampling constants of the last step's sequence list."""
+
+    def __init__(self):
+        self.tables, self.suffix_tables = RowsCache(), RowsCache()
+        self.seqs: list = []
+        self.constants: np.ndarray | None = None
 
 
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jprefix.batch import bucket, ragged_rows
+from jprefix.batch import RowsCache, bucket, ragged_rows
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,12 @@ def plan_cascade(
 
 
 def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bucket: int,
-                 min_blocks_bucket: int) -> dict[str, np.ndarray]:
+                 min_blocks_bucket: int, cache: RowsCache | None = None
+                 ) -> dict[str, np.ndarray]:
     """The cascade arrays for `scheduled`, already in `plan.order`: the groups' prefix
     block tables [G, Mp], lengths [G] and query-row ranges [G+1]; each sequence's suffix
-    block table [S, Ms] (its blocks after the shared prefix) and suffix length [S]."""
+    block table [S, Ms] (its blocks after the shared prefix) and suffix length [S].
+    `cache` (kept between steps) lets the suffix tables reuse the last step's rows."""
     G = bucket(len(plan.group_sizes), 1)
     starts = np.cumsum([0] + plan.group_sizes)
     Mp = bucket(max(plan.prefix_blocks), min_blocks_bucket)
@@ -96,11 +98,24 @@ def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bu
         p = plan.prefix_blocks[first]
         prefix_tables[g, :p] = scheduled[first].seq.block_table[:p]
         prefix_lens[g] = p * block_size
-    rows = [(sc.seq.block_table_array()[p:], sc.start + 1 - p * block_size)
+    rows = [(_suffix(sc.seq, p), sc.start + 1 - p * block_size)
             for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
-    suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket)
+    suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket,
+                                cache)
     suffix_lens = np.zeros(num_seqs_bucket, np.int32)
     suffix_lens[: len(rows)] = [r[1] for r in rows]
     return dict(prefix_block_tables=prefix_tables, prefix_kv_lens=prefix_lens,
                 prefix_cu_q_lens=prefix_cu, suffix_block_tables=suffix_tables,
                 suffix_kv_lens=suffix_lens)
+
+
+def _suffix(seq, p: int) -> np.ndarray:
+    """seq's blocks after its first p, as an array that stays the same object while they
+    do (so `ragged_rows` can tell which rows changed since the last step)."""
+    full = seq.block_table_array()
+    cached = getattr(seq, "_suffix_array", None)
+    if cached is not None and cached[0] is full and cached[1] == p:
+        return cached[2]
+    suffix = full[p:]
+    seq._suffix_array = (full, p, suffix)
+    return suffix

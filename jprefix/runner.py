@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jprefix.batch import BucketConfig, Layout, bucket, flatten_batch, pack_step
+from jprefix.batch import BucketConfig, Layout, PackCache, bucket, flatten_batch, pack_step
 from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.parallel import kv_sharding, per_shard, shard_params
 from jprefix.sampling import sample
@@ -147,14 +147,16 @@ def auto_num_blocks(
 
 
 def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
-              buckets: BucketConfig) -> tuple[list, dict[str, np.ndarray]]:
-    """A step's rows in device order (a cascade plan's groups first) and their arrays."""
+              buckets: BucketConfig, cache: PackCache | None = None
+              ) -> tuple[list, dict[str, np.ndarray]]:
+    """A step's rows in device order (a cascade plan's groups first) and their arrays;
+    `cache` carries what the next step may reuse (`jprefix.batch.PackCache`)."""
     if plan is not None:
         scheduled = [scheduled[i] for i in plan.order]
-    batch = pack_step(scheduled, block_size, buckets)
+    batch = pack_step(scheduled, block_size, buckets, cache)
     if plan is not None:
         batch |= pack_cascade(scheduled, plan, block_size, len(batch["kv_lens"]),
-                              buckets.min_blocks)
+                              buckets.min_blocks, None if cache is None else cache.suffix_tables)
     return list(scheduled), batch
 
 
@@ -221,6 +223,7 @@ class ModelRunner:
         self._kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
         # Steps launch in order on one worker thread: XLA's launch of a step's ~500-800
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
+        self._pack_cache = PackCache()  # what the next step's packing may reuse
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "jprefix-launch")
         weakref.finalize(self, self._launcher.shutdown, wait=False)
         self._last_launch: concurrent.futures.Future | None = None
@@ -246,7 +249,8 @@ class ModelRunner:
         output. Records each sampling row's output row in `seq.pending_row`.
         """
         t0 = time.perf_counter()
-        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets)
+        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets,
+                                     self._pack_cache)
         decode = all(sc.num_new_tokens == 1 for sc in scheduled)
         greedy = not batch["temperature"].any()
         self.shapes_seen.add(

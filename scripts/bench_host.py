@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from jprefix.batch import BucketConfig, flatten_batch
+from jprefix.batch import BucketConfig, PackCache, flatten_batch
 from jprefix.engine import EngineArgs, LLMEngine
 from jprefix.runner import StepHandle, pack_rows, record_pending_rows
 from jprefix.sampling_params import SamplingParams
@@ -30,9 +30,11 @@ class PackingStub:
         self.num_blocks, self.block_size = num_blocks, block_size  # (as ModelRunner)
         self.buckets = BucketConfig(min_seqs=8)
         self.last_timing, self.shapes_seen = (0.0, 0.0), set()
+        self.pack_cache = PackCache()
 
     def dispatch(self, scheduled, plan=None) -> StepHandle:
-        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets)
+        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets,
+                                     self.pack_cache)
         flatten_batch(batch)
         record_pending_rows(scheduled)
         return StepHandle(None, len(scheduled), None if plan is None else plan.order)

@@ -93,3 +93,44 @@ def test_block_table_array_follows_the_list_through_growth_and_replacement():
     assert seq.block_table_array().tolist() == [7]
     b = pack_step([ScheduledSeq(seq, 0, 3, True)], B, BucketConfig())
     assert b["block_tables"][0, :2].tolist() == [7, 0]
+
+
+def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
+    """Steps that grow, replace, drop and reorder rows: packing with the cache carried
+    between steps equals packing from scratch, array for array (cascade tables too)."""
+    from jprefix.batch import PackCache
+    from jprefix.cascade import CascadePlan, pack_cascade
+
+    rng = np.random.default_rng(5)
+    seqs = []
+    for i in range(12):
+        seq = Sequence(f"r{i}", rng.integers(3, 99, 20).tolist(), SamplingParams(
+            temperature=float(rng.random()), top_k=int(rng.integers(1, 9)), seed=i))
+        seq.block_table = rng.integers(1, 500, 6).tolist()
+        seqs.append(seq)
+    cache = PackCache()
+    for step in range(40):
+        for seq in seqs:
+            seq.append_token(int(rng.integers(3, 99)))
+            if len(seq.block_table) * B < seq.num_tokens:
+                seq.block_table.append(int(rng.integers(1, 500)))  # grows in place
+        change = rng.integers(0, 4)
+        victim = seqs[int(rng.integers(len(seqs)))]
+        if change == 1:  # replaced (as after preemption and a new prefix match)
+            victim.block_table = rng.integers(1, 500, -(-victim.num_tokens // B)).tolist()
+        elif change == 2 and len(seqs) > 3:
+            seqs.remove(victim)  # finished
+        elif change == 3:
+            rng.shuffle(seqs)
+        rows = [ScheduledSeq(s, s.num_tokens - 1, 1, True) for s in seqs]
+        fresh = pack_step(rows, B, BucketConfig())
+        cached = pack_step(rows, B, BucketConfig(), cache)
+        assert fresh.keys() == cached.keys()
+        for k in fresh:
+            np.testing.assert_array_equal(cached[k], fresh[k], err_msg=f"step {step}: {k}")
+        plan = CascadePlan(list(range(len(rows))), [2] * 3 + [0] * (len(rows) - 3), [3])
+        S = len(fresh["kv_lens"])
+        a = pack_cascade(rows, plan, B, S, 4)
+        b = pack_cascade(rows, plan, B, S, 4, cache.suffix_tables)
+        for k in a:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=f"step {step}: cascade {k}")
