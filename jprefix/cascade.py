@@ -98,7 +98,7 @@ def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bu
         p = plan.prefix_blocks[first]
         prefix_tables[g, :p] = scheduled[first].seq.block_table[:p]
         prefix_lens[g] = p * block_size
-    rows = [(_suffix(sc.seq, p), sc.start + 1 - p * block_size)
+    rows = [(sc.seq.block_table_suffix(p), sc.start + 1 - p * block_size)
             for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
     suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket,
                                 cache)
@@ -107,15 +107,3 @@ def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bu
     return dict(prefix_block_tables=prefix_tables, prefix_kv_lens=prefix_lens,
                 prefix_cu_q_lens=prefix_cu, suffix_block_tables=suffix_tables,
                 suffix_kv_lens=suffix_lens)
-
-
-def _suffix(seq, p: int) -> np.ndarray:
-    """seq's blocks after its first p, as an array that stays the same object while they
-    do (so `ragged_rows` can tell which rows changed since the last step)."""
-    full = seq.block_table_array()
-    cached = getattr(seq, "_suffix_array", None)
-    if cached is not None and cached[0] is full and cached[1] == p:
-        return cached[2]
-    suffix = full[p:]
-    seq._suffix_array = (full, p, suffix)
-    return suffix

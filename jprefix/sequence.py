@@ -77,6 +77,7 @@ class Sequence:
         self.stop_text: str | None = None  # output text cut before a matched stop string
         self.detokenizer: Any = None  # IncrementalDetokenizer, when stop strings are watched
         self._table_array: tuple[list[int], np.ndarray] | None = None  # block_table_array
+        self._suffix_array: tuple[np.ndarray, int, np.ndarray] | None = None  # its suffix
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -126,6 +127,16 @@ class Sequence:
         arr = np.asarray(table, np.int32).reshape(-1)
         self._table_array = (table, arr)
         return arr
+
+    def block_table_suffix(self, start: int) -> np.ndarray:
+        """`block_table_array()[start:]`, the same object while neither changes (so a
+        packer can tell which rows changed since the last step by identity)."""
+        full, cached = self.block_table_array(), self._suffix_array
+        if cached is not None and cached[0] is full and cached[1] == start:
+            return cached[2]
+        suffix = full[start:]
+        self._suffix_array = (full, start, suffix)
+        return suffix
 
     def set_finished(self, reason: str) -> None:
         """Marks the sequence finished: reason is 'stop', 'length', 'abort' or 'error'."""

@@ -89,8 +89,13 @@ def test_block_table_array_follows_the_list_through_growth_and_replacement():
     assert seq.block_table_array().tolist() == [5, 9, 4, 8, 1]
     seq.reset_blocks()  # preemption: a new, empty list
     assert seq.block_table_array().tolist() == []
-    seq.block_table = [7]  # replaced (e.g. by the prefix cache's match)
-    assert seq.block_table_array().tolist() == [7]
+    seq.block_table = [7, 3, 2]  # replaced (e.g. by the prefix cache's match)
+    assert seq.block_table_array().tolist() == [7, 3, 2]
+    tail = seq.block_table_suffix(1)
+    assert tail.tolist() == [3, 2] and seq.block_table_suffix(1) is tail
+    seq.block_table.append(6)
+    assert seq.block_table_suffix(1).tolist() == [3, 2, 6]
+    seq.block_table = [7]
     b = pack_step([ScheduledSeq(seq, 0, 3, True)], B, BucketConfig())
     assert b["block_tables"][0, :2].tolist() == [7, 0]
 

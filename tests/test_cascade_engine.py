@@ -18,7 +18,7 @@ def _decode(blocks, kv_len, registered=None):
     """A decode row; its blocks are prefix-trie blocks (`registered`: all by default)."""
     seq = SimpleNamespace(block_table=blocks,
                           num_registered_blocks=len(blocks) if registered is None else registered,
-                          block_table_array=lambda: np.asarray(blocks, np.int32))
+                          block_table_suffix=lambda p: np.asarray(blocks[p:], np.int32))
     return SimpleNamespace(seq=seq, start=kv_len - 1, num_new_tokens=1)
 
 
