@@ -146,9 +146,11 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Sequence:
-        """Validates one request and builds its Sequence (nothing is scheduled yet)."""
-        sp = sampling_params or SamplingParams()
-        sp.validate()
+        """Validates one request and builds its Sequence (nothing is scheduled yet). The
+        sequence keeps its own copy of the sampling parameters: changing the caller's
+        object afterwards does not reach a request already made."""
+        # (replace re-runs __post_init__: copies the stop lists and validates)
+        sp = dataclasses.replace(sampling_params) if sampling_params else SamplingParams()
         ids = self.tokenize(prompt)
         check_context(len(ids), sp.max_tokens, self.max_model_len)
         prefix_len = check_prefix_len(prefix_len, len(ids))
