@@ -251,7 +251,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets,
                                      self._pack_cache)
-        decode = all(sc.num_new_tokens == 1 for sc in scheduled)
+        decode = int(batch["cu_q_lens"][len(scheduled)]) == len(scheduled)  # 1 token each
         greedy = not batch["temperature"].any()
         self.shapes_seen.add(
             (len(batch["token_ids"]), *batch["block_tables"].shape, decode, plan is not None)
@@ -266,16 +266,13 @@ class ModelRunner:
                                    "pending tokens are lost: create a new engine"
                                    ) from self._failed
             try:
-                return _launch()
+                tokens, self._kv_cache = step(
+                    self.params, self._kv_cache, ints, floats, self._last_tokens,
+                    layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
+                    greedy=greedy, cascade=plan is not None, mesh=self.mesh)
             except Exception as exc:
                 self._failed = exc
                 raise
-
-        def _launch() -> jax.Array:
-            tokens, self._kv_cache = step(
-                self.params, self._kv_cache, ints, floats, self._last_tokens, layout=layout,
-                cfg=self.cfg, backend=self.backend, decode=decode, greedy=greedy,
-                cascade=plan is not None, mesh=self.mesh)
             self._last_tokens = tokens
             return tokens
 

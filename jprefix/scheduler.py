@@ -276,7 +276,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         sp, token, num_out = seq.sampling_params, seq.all_token_ids[-1], seq.num_output_tokens
-        if num_out >= getattr(sp, "min_tokens", 0):
+        if num_out >= sp.min_tokens:
             if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop"
             if not sp.ignore_eos and token in self.config.eos_token_ids:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ import numpy as np
 
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from scripts.bench_kernels import rel_err, timeit  # (run with PYTHONPATH=$PWD)
 
 B = 16  # block size
 
@@ -47,20 +46,6 @@ def make_case(rng, seqs: int, prefix: int, own: int, heads=(32, 32), d=128):
     return plain, cascade
 
 
-def timeit(fn, reps=20, inner=5):
-    """Median seconds per call: `inner` back-to-back calls, synchronised once per rep."""
-    for _ in range(3):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
-
-
 def parts(casc, scale):
     """The cascade's two kernel calls alone: (suffix seconds, shared-prefix seconds)."""
     q, kc, vc, layer, ptab, plen, pcu, stab, slen, cu = casc
@@ -68,12 +53,7 @@ def parts(casc, scale):
                                              max_q_len=1, return_lse=True))
     prefix = jax.jit(lambda: paged_attention(q, kc, vc, layer, ptab, plen, pcu, scale=scale,
                                              causal=False, return_lse=True))
-    return timeit(suffix), timeit(prefix)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return timeit(suffix, reps=20), timeit(prefix, reps=20)
 
 
 def main() -> None:
@@ -92,8 +72,10 @@ def main() -> None:
             ref = paged_attention_reference(*plain, scale=scale)
             out_p = paged_attention(*plain, scale=scale, max_q_len=1)
             out_c = cascade_attention(*casc, scale=scale, max_q_len=1)
-            t_p = timeit(lambda plain=plain: paged_attention(*plain, scale=scale, max_q_len=1))
-            t_c = timeit(lambda casc=casc: cascade_attention(*casc, scale=scale, max_q_len=1))
+            t_p = timeit(lambda plain=plain: paged_attention(*plain, scale=scale, max_q_len=1),
+                         reps=20)
+            t_c = timeit(lambda casc=casc: cascade_attention(*casc, scale=scale, max_q_len=1),
+                         reps=20)
             t_suffix, t_prefix = parts(casc, scale)
             kv_bytes = 2 * seqs * (prefix + args.own) * 32 * 128 * 2
             rows.append(dict(seqs=seqs, prefix=prefix, own=args.own, plain_ms=t_p * 1e3,
