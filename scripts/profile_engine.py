@@ -126,14 +126,42 @@ def profile_decode(llm: LLM, prompts, prefix_len: int, output_len: int, warm_ste
 
 
 def profile_single(llm: LLM, prompt, prefix_len: int, num_steps: int, keep_dir, tag) -> dict:
-    """One request, prefix cached: its first (prefill) step, then decode steps."""
+    """One request, prefix cached: its first (prefill) step, then decode steps. A first,
+    untraced pass compiles the batch-1 buckets."""
     sp = SamplingParams(temperature=0, max_tokens=num_steps + 4, ignore_eos=True)
-    llm.reset_prefix_cache()
-    llm.generate([prompt[:prefix_len] + [11]], SamplingParams(max_tokens=1),
-                 prefix_pos=prefix_len, use_tqdm=False)
-    llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
-    summary = traced_steps(llm, num_steps, keep_dir, tag)
-    drain(llm)
+    for traced in (False, True):
+        llm.reset_prefix_cache()
+        llm.generate([prompt[:prefix_len] + [11]], SamplingParams(max_tokens=1),
+                     prefix_pos=prefix_len, use_tqdm=False)
+        llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
+        if traced:
+            summary = traced_steps(llm, num_steps, keep_dir, tag)
+        else:
+            for _ in range(num_steps):
+                llm.engine.step()
+        drain(llm)
+    return summary
+
+
+def profile_ttft(llm: LLM, prompt, prefix_len: int, cached: bool, keep_dir, tag) -> dict:
+    """The one engine step that prefills one request and returns its first token, traced
+    with synchronous scheduling (so the step's window holds dispatch, device work and the
+    fetch), prefix cached or not; an untraced pass first compiles its bucket."""
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    was_async = llm.engine.args.async_scheduling
+    llm.engine.args.async_scheduling = False
+    try:
+        for traced in (False, True):
+            llm.reset_prefix_cache()
+            if cached:
+                llm.generate([prompt[:prefix_len] + [11]], sp, prefix_pos=prefix_len,
+                             use_tqdm=False)
+            llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
+            if traced:
+                summary = traced_steps(llm, 1, keep_dir, tag)
+            drain(llm)
+    finally:
+        llm.engine.args.async_scheduling = was_async
     return summary
 
 
@@ -188,7 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
                                 f"decode-{config}")
         single = profile_single(llm, prompts[0], args.prefix_len, args.trace_steps,
                                 args.keep_traces, f"single-{config}")
-        result["configs"][config] = dict(decode=decode, single=single,
+        ttft = {f"ttft_{kind}": profile_ttft(llm, prompts[0], args.prefix_len,
+                                             kind == "cached", args.keep_traces,
+                                             f"ttft-{kind}-{config}")
+                for kind in ("cached", "uncached")}
+        result["configs"][config] = dict(decode=decode, single=single, **ttft,
                                          wall_s=time.perf_counter() - t)
         print(f"== {config}", json.dumps(result["configs"][config], indent=1), flush=True)
     if args.output_json:

@@ -186,6 +186,8 @@ def test_profile_engine_smoke(tmp_path):
             summary = config[part]
             assert summary["steps"] == 3 and len(summary["engine_step_call_ms"]) == 3
             assert summary["per_step_ms"] > 0 and 0 <= summary["device_idle_share"] <= 1
+        for part in ("ttft_cached", "ttft_uncached"):  # one synchronous prefill step
+            assert config[part]["steps"] == 1 and config[part]["per_step_ms"] > 0
 
 
 def test_bench_host_smoke():
