@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The H200 benchmark jobs, several per device call:  bash scripts/gpu.sh JOB [JOB ...]
+#
+#   kernels   bench_kernels.py: issue 3's table (decode vs JAX's paged attention, prefill
+#             vs cuDNN, prefix-cached prefill, write_kv)                       ~4 min
+#   cascade   bench_cascade.py: cascade vs plain decode attention (issue 6)     ~2 min
+#   sweep     sweep_attention.py $SWEEP_ARGS (e.g. --only "llama3-8b B64")
+#   engine    bench_engine.py: cache + cascade vs cache off, TTFT (issues 4, 6) ~4 min
+#   engine_cascade  bench_engine.py --compare-cascade --skip-off               ~3 min
+#   profile   profile_engine.py async+cascade: decode step, batch-1, TTFT step ~3 min
+#   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
+#   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
+#   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
+#   b c d e   docs/RESULTS.md rows (b) policies, (c) trie vs flat, (d) chat latency,
+#             (e) ShareGPT (needs carry ["bench_data"])
+#
+# Logs and JSON go to $OUT (default out/); the processes share one persistent compilation
+# cache, so a second process on the same shapes skips most of the ~60-100 s of compiles.
+# Each job's time limit can be lowered with T_<job>=seconds.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jprefix-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+M=(--model llama-2-7b --load-format dummy)
+
+quiet() { grep -v "^WARNING\|rematerialization\|^W0000\|^I0000\|^W1\|^I1\|^E1\|^If this\|^Current"; }
+
+# run NAME DEFAULT_SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit code and tail here
+run() {
+  local name=$1 limit=$2 var="T_$1"; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "${!var:-$limit}" "$@" 2>&1 | quiet > "$OUT/$name.log"
+  echo "exit ${PIPESTATUS[0]}"
+  tail -n "${TAIL:-10}" "$OUT/$name.log"
+}
+
+job_kernels() { run kernels 330 python3 scripts/bench_kernels.py --output-json "$OUT/kernels.json"; }
+job_cascade() { run cascade 150 python3 scripts/bench_cascade.py --output-json "$OUT/cascade.json"; }
+job_sweep() {  # SWEEP_ARGS is shell words, quotes honoured: --only "llama3-8b B64"
+  eval "run sweep 300 python3 scripts/sweep_attention.py ${SWEEP_ARGS:-} --output-json \"\$OUT/sweep.json\""
+}
+job_engine() {
+  run engine 290 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
+    --ttft-reps 3 --output-json "$OUT/engine.json"
+}
+job_engine_cascade() {
+  run engine_cascade 230 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
+    --skip-off --compare-cascade --ttft-reps 3 --output-json "$OUT/engine_cascade.json"
+}
+job_profile() {
+  run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
+    --output-json "$OUT/profile.json"
+}
+job_host() {
+  local flag i
+  echo "== host ($(date +%T))"
+  for flag in "" "--no-cascade"; do
+    for i in 1 2 3; do
+      JAX_PLATFORMS=cpu timeout 60 python3 scripts/bench_host.py $flag 2>&1 | tail -1
+    done
+  done | tee "$OUT/host.log"
+}
+job_step() {
+  run step 150 python3 scripts/bench_step.py --model llama-2-7b --batch 1 64 256 --context 700 \
+    --output-json "$OUT/step.json"
+}
+job_hf() {
+  run hf 150 python3 scripts/bench_hf.py --model llama-2-7b --num-prompts 64 --batch-size 64 \
+    --output-len 128 --output-json "$OUT/hf.json"
+}
+job_b() {
+  run b_policies 300 python3 scripts/bench_throughput.py "${M[@]}" --num-prompts 256 \
+    --num-prefixes 32 --input-len 1088 --prefix-len 1024 --output-len 64 --num-kv-blocks 3072 \
+    --policy fcfs greedy:max_wait=120 lpm:max_wait=120 --output-json "$OUT/b_policies.json"
+}
+job_c() {
+  local c=("${M[@]}" --num-prompts 64 --num-prefixes 8 --prefix-levels 3 --overlap 0.3
+           --input-len 1040 --prefix-len 1024 --output-len 16)
+  run c_trie 200 python3 scripts/bench_throughput.py "${c[@]}" --output-json "$OUT/c_trie.json"
+  run c_flat 200 python3 scripts/bench_throughput.py "${c[@]}" --flat-prefixes \
+    --output-json "$OUT/c_flat.json"
+}
+job_d() {
+  local d=("${M[@]}" --input-len 700 --prefix-len 596 --output-len 16 --num-prompts 120
+           --request-rate 16 --latency-bound-ms 320 --latency-metric mean --sweep-steps 1)
+  run d_on 280 python3 scripts/bench_latency.py "${d[@]}" --output-json "$OUT/d_on.json"
+  run d_off 280 python3 scripts/bench_latency.py "${d[@]}" --no-enable-prefix-caching \
+    --output-json "$OUT/d_off.json"
+}
+job_e() {
+  run e_sharegpt 220 python3 scripts/bench_throughput.py "${M[@]}" \
+    --dataset bench_data/sharegpt_smollm2_1000.json --num-prompts 200 --compare-caching \
+    --output-json "$OUT/e_sharegpt.json"
+}
+
+if [ $# -eq 0 ]; then sed -n '2,19p' "$0"; exit 2; fi
+for job in "$@"; do
+  if ! declare -F "job_$job" > /dev/null; then echo "unknown job: $job" >&2; exit 2; fi
+done
+for job in "$@"; do "job_$job"; done
