@@ -5,7 +5,8 @@
 Throughput files give one bar chart each (output tok/s and prefill tokens computed per
 configuration); latency files give E2E / TTFT percentiles per trial, and all latency files
 together a chart of the highest QPS within the latency bound; bench_engine files give
-output tok/s per engine mode and output length, and TTFT. matplotlib is optional
+output tok/s per engine mode and output length, and TTFT; several throughput files
+together also a chart of their KV memory (kv_memory.png). matplotlib is optional
 (`pip install matplotlib`, or the project's `bench` extra).
 """
 
@@ -83,6 +84,23 @@ def plot_qps_at_bound(results: list[dict], out: Path, plt) -> Path:
     return out
 
 
+def plot_kv_memory(results: list[dict], names: list[str], out: Path, plt) -> Path:
+    """Several throughput files side by side: KV blocks of the prefix cache and at peak
+    (RESULTS row (c): trie vs flat per-prefix caching)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in [(axes[0], "prefix_cache_blocks", "prefix-cache KV blocks"),
+                           (axes[1], "peak_kv_blocks", "peak KV blocks in use")]:
+        bars = ax.bar(names, [r["runs"][0][key] for r in results], color="tab:purple")
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_title(title)
+    fig.suptitle(f"{results[0]['model']}: KV memory, {results[0]['runs'][0]['requests']} "
+                 "requests each")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def plot_engine(result: dict, out: Path, plt) -> Path:
     """bench_engine.py JSON: output tok/s per mode and output length, and TTFT."""
     runs = {k[len("throughput_"):]: v for k, v in result.items() if k.startswith("throughput_")}
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap.add_argument("--out-dir", default=None, help="default: next to each JSON file")
     args = ap.parse_args(argv)
     plt = _pyplot()
-    written, swept = [], []
+    written, swept, throughput = [], [], []
     for name in args.json:
         path = Path(name)
         result = json.loads(path.read_text())
@@ -120,6 +138,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         if result.get("benchmark") == "throughput":
             written.append(plot_throughput(result, out, plt))
+            throughput.append((path.stem, result))
         elif any(k.startswith("throughput_") for k in result):  # bench_engine.py
             written.append(plot_engine(result, out, plt))
         elif result.get("benchmark") == "latency":
@@ -132,6 +151,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if len(swept) > 1:
         out_dir = Path(args.out_dir) if args.out_dir else Path(args.json[0]).parent
         written.append(plot_qps_at_bound(swept, out_dir / "qps_at_latency_bound.png", plt))
+    if len(throughput) > 1:
+        out_dir = Path(args.out_dir) if args.out_dir else Path(args.json[0]).parent
+        names = [name for name, _ in throughput]
+        written.append(plot_kv_memory([r for _, r in throughput], names,
+                                      out_dir / "kv_memory.png", plt))
     for p in written:
         print(p)
     return written

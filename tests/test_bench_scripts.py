@@ -206,8 +206,11 @@ def test_plots_write_pngs(tmp_path):
         bl.main([*TINY, "--num-prompts", "4", "--input-len", "24", "--prefix-len", "16",
                  "--output-len", "2", "--request-rate", "100", "--latency-bound-ms", "1e6",
                  "--max-request-rate", "150", caching, "--output-json", files[-1]])
-    files.append(str(tmp_path / "tp.json"))
-    bt.main([*TINY, "--num-prompts", "4", "--input-len", "24", "--prefix-len", "16",
-             "--output-len", "2", "--output-json", files[-1]])
+    for name, flat in (("tp.json", []), ("tp_flat.json", ["--flat-prefixes"])):
+        files.append(str(tmp_path / name))
+        bt.main([*TINY, "--num-prompts", "4", "--input-len", "24", "--prefix-len", "16",
+                 "--output-len", "2", *flat, "--output-json", files[-1]])
     written = plots.main([*files, "--out-dir", str(tmp_path / "png")])
-    assert len(written) == 4 and all(p.stat().st_size > 1000 for p in written)
+    # 2 latency + 2 throughput charts, QPS at the bound, KV memory of the two throughput runs
+    assert len(written) == 6 and all(p.stat().st_size > 1000 for p in written)
+    assert {p.name for p in written} >= {"qps_at_latency_bound.png", "kv_memory.png"}
