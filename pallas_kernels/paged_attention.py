@@ -27,6 +27,10 @@ from pallas_kernels.ragged_paged_attention_kernel import KernelConfig, run_kerne
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _INT32 = jnp.dtype(jnp.int32)
 _TARGET_PROGRAMS = 1024  # decode: split the key range until about this many programs
+# prefill tiling: a batch of few tiles (one short prompt: time to first token) splits its
+# key range until about this many programs, at most _MAX_PREFILL_SPLITS ways
+_PREFILL_TARGET_PROGRAMS = 256
+_MAX_PREFILL_SPLITS = 4
 
 
 def _next_pow2(x: int) -> int:
@@ -88,8 +92,14 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         raise ValueError(f"block_q ({block_q}) and block_kv ({block_kv}) must be powers of 2")
     if prefetch_pages is None:
         prefetch_pages = decode
-    if kv_splits is None:  # decode: one tile per token
-        kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k)))) if decode else 1
+    if kv_splits is None and decode:  # one tile per token
+        kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k))))
+    elif kv_splits is None:  # ~ceil(T / tile_tokens) tiles (ragged edges aside)
+        programs = -(-t // tile_tokens) * k
+        kv_splits = 1
+        while (kv_splits < _MAX_PREFILL_SPLITS
+               and programs * kv_splits * 2 <= _PREFILL_TARGET_PROGRAMS):
+            kv_splits *= 2
     return KernelConfig(
         num_heads=h, num_kv_heads=k, num_blocks=n, block_size=b, head_dim=d, group=g,
         group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp),
@@ -137,12 +147,14 @@ def paged_attention(
     `max_q_len` is a static hint: 1 picks the decode tiling (one token per tile, the
     key range split over `kv_splits` programs, None = enough splits for ~1024 programs);
     any other value (or None) the prefill tiling (`block_q` rows = tokens x padded query
-    group per tile). Both compute the same function for any input. `block_kv` (keys per
-    inner step), `num_warps`, `num_stages` (None: 3 decode, 4 prefill, 2 float32) and
-    `prefetch_pages` (load the next step's page ids a step early; None = on for the decode
-    tiling, off for prefill), `single_loop` (one masked key loop instead of unmasked
-    steps then the masked edge) and `evict_first` (cache hint on the K/V loads) tune the
-    Triton lowering; the defaults are the best measured on an H200 (docs/PERF.md).
+    group per tile; `kv_splits` None = 1, or up to 4 when T is so small that the batch has
+    fewer than ~128 programs, as for one short prompt). Both compute the same function
+    for any input. `block_kv` (keys per inner step), `num_warps`, `num_stages` (None: 3
+    decode, 4 prefill, 2 float32), `prefetch_pages` (load the next step's page ids a step
+    early; None = on for the decode tiling, off for prefill), `single_loop` (one masked
+    key loop instead of unmasked steps then the masked edge) and `evict_first` (cache
+    hint on the K/V loads) tune the Triton lowering; the defaults are the best measured
+    on an H200 (docs/PERF.md).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,

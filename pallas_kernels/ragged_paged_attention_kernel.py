@@ -80,7 +80,9 @@ def tile_metadata(cu_q_lens, kv_lens, num_tokens: int, tile_tokens: int):
     tiles = (q_lens + tile_tokens - 1) // tile_tokens
     tile_end = jnp.cumsum(tiles)
     t = jnp.arange(num_tiles(num_tokens, num_seqs, tile_tokens), dtype=jnp.int32)
-    seg = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    # compare_all: one fused compare-and-count; the default binary search lowers to a
+    # while loop of tiny kernels, launched one by one on the GPU
+    seg = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
     live = seg <= num_seqs
     seg = jnp.minimum(seg, num_seqs)
     offset = (t - (tile_end[seg] - tiles[seg])) * tile_tokens
@@ -177,7 +179,8 @@ def ragged_paged_attention_kernel(
     row = (tok0 + tok) * cfg.num_heads + kvh * cfg.group + g
     row = jnp.clip(row, 0, cfg.num_rows - 1)
     cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
-    q = q_ref[row[:, None], cols[None, :]]  # [R, D]; rows not ok hold some other row
+    # [R, D]; rows not ok read nothing (zeros): a decode tile holds 1-8 real rows of 16
+    q = plgpu.load(q_ref.at[row[:, None], cols[None, :]], mask=row_ok[:, None], other=0.0)
     pos = first_pos + tok  # [R]
 
     # Keys this tile needs: [0, kv_hi). Keys < kv_full are visible to every row.

@@ -46,6 +46,41 @@ def timeit(fn, *args, reps=15, inner=5):
     return statistics.median(times)
 
 
+def device_times(fn, *args, reps=20) -> dict | None:
+    """Device time per call from a `jax.profiler` trace of `reps` back-to-back calls:
+    `busy_us` (union of the call's kernels), `span_us` (first kernel start to last end,
+    over reps: what the device spends per call when calls queue back to back), and
+    `kernels` (name -> microseconds per call). None where the trace has no device
+    kernels (the CPU backend)."""
+    import shutil
+    import tempfile
+
+    from scripts.profile_engine import device_pids, load_trace, union_length
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="jprefix-kernel-trace-")
+    try:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        events = load_trace(trace_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    devices = device_pids(events)
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+             if e.get("ph") == "X" and e["pid"] in devices]
+    if not spans:
+        return None
+    per_name: dict[str, float] = {}
+    for lo, hi, name in spans:
+        per_name[name[:80]] = per_name.get(name[:80], 0.0) + (hi - lo) / reps
+    return dict(busy_us=union_length([(lo, hi) for lo, hi, _ in spans]) / reps,
+                span_us=(max(s[1] for s in spans) - min(s[0] for s in spans)) / reps,
+                kernels=dict(sorted(per_name.items(), key=lambda kv: -kv[1])))
+
+
 def rel_err(out, ref):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     if np.isnan(out).any():

@@ -48,17 +48,22 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(events: list[dict], top: int = 15) -> dict:
-    """Device busy/idle time inside the traced engine steps, top kernels, host marks."""
+def device_pids(events: list[dict]) -> set:
+    """The trace's GPU device processes (none on the CPU backend)."""
     names = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
+    return {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
+
+
+def summarize(events: list[dict], top: int = 15) -> dict:
+    """Device busy/idle time inside the traced engine steps, top kernels, host marks."""
+    devices = device_pids(events)
     spans = [e for e in events if e.get("ph") == "X"]
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == STEP_MARK)
     if not steps:
         return {"error": "no engine steps in the trace"}
     lo, hi = steps[0][0], steps[-1][1]
-    kernels = [e for e in spans if e["pid"] in device_pids and lo <= e["ts"] <= hi]
+    kernels = [e for e in spans if e["pid"] in devices and lo <= e["ts"] <= hi]
     busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in kernels:

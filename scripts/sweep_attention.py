@@ -3,9 +3,11 @@
 Shapes: the two halves of issue 6's cascade decode at 256 x (592 shared + 232 own): the
 per-sequence suffix (causal, 232 keys, with LSE) and the shared prefix (592 keys, no
 mask, all 256 queries in one group, with LSE); issue 3's decode table (Llama-2-7B 32/32
-and Llama-3-8B 32/8 heads, batch 256 and 64, context 2048); issue 3's prefill (8 x 2048)
-and prefix-cached prefill (64 x (596 + 104) cached and uncached). Every config is
-checked against `paged_attention_reference` before it is timed; the table gives each
+and Llama-3-8B 32/8 heads, batch 256 and 64, context 2048); issue 3's prefill (8 x 2048);
+the prefill of one prompt with 596 of its 700 tokens cached (time to first token); and
+prefix-cached prefill (64 x (596 + 104) cached and uncached). `--profile` adds each
+config's device time per call and its attention kernel's own time (jax.profiler). Every
+config is checked against `paged_attention_reference` before it is timed; the table gives each
 shape's time and KV bandwidth per config, best first.
 
     PYTHONPATH=$PWD python3 scripts/sweep_attention.py --output-json out.json
@@ -24,7 +26,7 @@ import time
 import jax
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from scripts.bench_kernels import make_case, rel_err, timeit
+from scripts.bench_kernels import device_times, make_case, rel_err, timeit
 
 DECODE_KNOBS = {  # name -> paged_attention keyword arguments (max_q_len=1 added)
     "default": {},
@@ -36,6 +38,9 @@ DECODE_KNOBS = {  # name -> paged_attention keyword arguments (max_q_len=1 added
     "kv128/s2": {"block_kv": 128, "num_stages": 2},
     "kv32/s4": {"block_kv": 32, "num_stages": 4},
     "kv32/w2": {"block_kv": 32, "num_warps": 2},
+    "s2": {"num_stages": 2},
+    "s4": {"num_stages": 4},
+    "w8": {"num_warps": 8},
 }
 SPLIT_KNOBS = {f"{name}+split{s}": {**kw, "kv_splits": s}
                for (name, kw), s in itertools.product(
@@ -43,17 +48,21 @@ SPLIT_KNOBS = {f"{name}+split{s}": {**kw, "kv_splits": s}
                     ("kv32/s4", {"block_kv": 32, "num_stages": 4})], (1, 2, 4, 8))}
 PREFIX_KNOBS = {
     f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
-    for bq, s in itertools.product((64, 128), (2, 4, 8))
+    for bq, s in itertools.product((64, 128), (1, 2, 4, 8))
 }
 PREFILL_KNOBS = {
     "default": {},
     "evict": {"evict_first": True},
-    "s3": {"num_stages": 3},
+    "kv32": {"block_kv": 32},
     "kv128/w8/s3": {"block_kv": 128, "num_warps": 8, "num_stages": 3},
-    "bq64": {"block_q": 64},
-    "kv32/s4": {"block_kv": 32},
     "split2": {"kv_splits": 2},
+} | {  # occupancy: 4 stages of 128-row tiles leave room for one program per SM
+    f"bq{bq}/w{w}/s{s}": {"block_q": bq, "num_warps": w, "num_stages": s}
+    for bq, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))
 }
+
+TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
+                                for bq, s in itertools.product((64, 128), (1, 2, 4, 8))}
 
 
 def shapes(smoke: bool):
@@ -79,6 +88,11 @@ def shapes(smoke: bool):
     n, new, cached = (2, 40, 24) if smoke else (8, 2048, 596)
     out.append((f"prefill {n} x {new}", dict(heads=hh, seqs=[(new, new)] * n, head_dim=d),
                 {}, PREFILL_KNOBS, 0))
+    # one request's prefill with its prefix cached (time to first token): few tiles
+    new_ttft = 8 if smoke else 104
+    out.append((f"ttft prefill 1 x ({cached} + {new_ttft})",
+                dict(heads=hh, seqs=[(new_ttft, cached + new_ttft)], head_dim=d), {},
+                TTFT_KNOBS, 0))
     n = 4 if smoke else 64
     for label, q_len in (("cached", 104), ("uncached", cached + 104)):
         out.append((f"prefix prefill {label} {n} x ({cached} + 104)",
@@ -88,7 +102,7 @@ def shapes(smoke: bool):
     return out
 
 
-def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps):
+def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps, profile=False):
     case = make_case(len(name), **case_kw)
     scale = case["q"].shape[-1] ** -0.5
     ref = paged_attention_reference(**case, scale=scale, causal=fixed.get("causal", True),
@@ -103,12 +117,21 @@ def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps):
             out = out[0] if isinstance(out, tuple) else out
             err = rel_err(out, ref_o)
             t = timeit(fn, *case.values(), reps=3 if smoke else reps) if err < 2e-2 else None
+            dev = device_times(fn, *case.values()) if t and profile else None
         except Exception as e:  # a config Triton cannot compile
             print(f"  {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            err, t = None, None
-        rows.append({"knobs": label, "kwargs": kw, "rel_err": err, "seconds": t,
-                     "tb_s": kv_bytes / t / 1e12 if t and kv_bytes else None})
-        print(f"  {name} {label}: err {err} t {t}", flush=True)
+            err, t, dev = None, None, None
+        row = {"knobs": label, "kwargs": kw, "rel_err": err, "seconds": t,
+               "tb_s": kv_bytes / t / 1e12 if t and kv_bytes else None}
+        if dev:  # device-side time per call and the attention kernel's own share
+            kern = sum(us for k, us in dev["kernels"].items() if "paged_attention" in k)
+            row.update(device_span_s=dev["span_us"] * 1e-6, kernel_s=kern * 1e-6,
+                       kernels_us=dev["kernels"],
+                       kernel_tb_s=kv_bytes / kern / 1e6 if kern and kv_bytes else None)
+        rows.append(row)
+        print(f"  {name} {label}: err {err} t {t}"
+              + (f" device span {dev['span_us']:.1f} us, kernel {kern:.1f} us" if dev else ""),
+              flush=True)
     return rows
 
 
@@ -119,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of the shape "
                     "names to run (default all)")
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per config")
+    ap.add_argument("--profile", action="store_true", help="also trace each config with "
+                    "jax.profiler: device time per call and the attention kernel's own")
     args = ap.parse_args(argv)
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "date": time.strftime("%Y-%m-%d"), "shapes": {}}
@@ -129,7 +154,7 @@ def main(argv=None) -> int:
             knobs = dict(list(knobs.items())[1:2] + list(knobs.items())[-1:])
         print(name, flush=True)
         result["shapes"][name] = sweep(name, case_kw, fixed, knobs, kv_bytes, args.smoke,
-                                        args.reps)
+                                        args.reps, args.profile)
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=1)
@@ -140,6 +165,10 @@ def main(argv=None) -> int:
         print(f"{name}: " + (f"default {base['seconds'] * 1e3:.3f} ms; " if base else ""))
         for r in ok[:6]:
             bw = f"{r['tb_s']:.2f} TB/s" if r["tb_s"] else ""
+            if r.get("kernel_s"):
+                bw += (f"  (device {r['device_span_s'] * 1e3:.3f} ms, kernel "
+                       f"{r['kernel_s'] * 1e3:.3f} ms"
+                       + (f" = {r['kernel_tb_s']:.2f} TB/s)" if r["kernel_tb_s"] else ")"))
             print(f"   {r['knobs']:24s} {r['seconds'] * 1e3:8.3f} ms  {bw}")
     bad = [(n, r["knobs"]) for n, rows in result["shapes"].items() for r in rows
            if r["rel_err"] is not None and not r["rel_err"] < 2e-2]
