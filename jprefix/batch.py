@@ -47,13 +47,17 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
     seqs, tables, q_list, start_list = [], [], [], []
     for sc in scheduled:
         seq, q, start = sc.seq, sc.num_new_tokens, sc.start
-        known = seq.all_token_ids[start : start + q]
-        ids += known
-        if len(known) < q:  # only the newest token can be pending
-            if len(known) != q - 1:
-                raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
-            pending.append((len(ids), seq.pending_row))
-            ids.append(0)
+        tokens = seq.all_token_ids
+        if q == 1 and start < len(tokens):  # (a decode of a known token)
+            ids.append(tokens[start])
+        else:
+            known = tokens[start : start + q]
+            ids += known
+            if len(known) < q:  # only the newest token can be pending
+                if len(known) != q - 1:
+                    raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
+                pending.append((len(ids), seq.pending_row))
+                ids.append(0)
         seqs.append(seq)
         tables.append(seq.block_table_array())
         q_list.append(q)

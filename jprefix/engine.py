@@ -107,6 +107,7 @@ class LLMEngine:
         self._step_lock = threading.Lock()
         self._inflight: _InFlight | None = None  # dispatched, tokens not yet processed
         self._last_processed = 0.0
+        self._last_plan: tuple[list[Sequence], CascadePlan] | None = None  # _cascade_plan
         self._rng = np.random.default_rng(self.args.seed)
         self._ids = itertools.count()
 
@@ -224,11 +225,22 @@ class LLMEngine:
         return finished
 
     def _cascade_plan(self, scheduled) -> CascadePlan | None:
+        """The step's cascade grouping. A decode step of the same sequences, in the same
+        order, as the last planned one reuses its plan: a running sequence's table only
+        grows, so each member still holds its group's prefix blocks (sharing can only
+        change when sequences join or leave, which changes the list)."""
         if not (self.args.enable_cascade and self.args.enable_prefix_caching):
             return None
-        return plan_cascade(scheduled, self.args.block_size,
+        seqs = [sc.seq for sc in scheduled]
+        last = self._last_plan
+        if (last is not None and last[0] == seqs  # (Sequence has identity equality)
+                and all(sc.num_new_tokens == 1 for sc in scheduled)):
+            return last[1]
+        plan = plan_cascade(scheduled, self.args.block_size,
                             self.scheduler.block_manager.ref_count,
                             self.args.cascade_min_group, self.args.cascade_min_blocks)
+        self._last_plan = None if plan is None else (seqs, plan)
+        return plan
 
     def _record(self, done: _InFlight, t_fetched: float) -> None:
         """Per-step timing: host seconds (schedule, pack, dispatch, postprocess); the

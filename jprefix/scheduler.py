@@ -82,6 +82,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.running or seq.request_id in self.waiting:
             raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        sp = seq.sampling_params
+        if sp is not None and not sp.ignore_eos:
+            seq.stop_ids |= self.config.eos_token_ids
         self.waiting.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -127,9 +130,10 @@ class Scheduler:
                 break
             if seq.status is not running:  # preempted earlier this step
                 continue
-            remaining = seq.num_scheduled_tokens - seq.num_computed_tokens
-            if remaining == 0 or self._at_max_tokens(seq):
-                continue  # its pending token is the last, or the step before it runs
+            scheduled_tokens = seq.num_scheduled_tokens
+            remaining = scheduled_tokens - seq.num_computed_tokens
+            if remaining == 0 or scheduled_tokens >= seq.token_limit:
+                continue  # its pending token is its last, or the step before it runs
             n = min(remaining, budget)
             if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
                 n = self._reserve_running(seq, n, out)  # needs blocks: may preempt
@@ -212,10 +216,6 @@ class Scheduler:
         seq.num_pending += sample
         return ScheduledSeq(seq, start, n, sample)
 
-    @staticmethod
-    def _at_max_tokens(seq: Sequence) -> bool:
-        return seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens
-
     def _tokens_that_fit(self, seq: Sequence, n: int) -> int:
         capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
         return max(0, min(n, capacity - seq.num_computed_tokens))
@@ -263,11 +263,13 @@ class Scheduler:
         finished = []
         for s in output.scheduled:
             seq = s.seq
-            if seq.is_finished():  # aborted or stopped between schedule and update
+            if not s.sample or seq.is_finished():  # (aborted or stopped since schedule)
                 continue
-            if s.sample:
-                seq.num_pending -= 1
-                seq.append_token(sampled[seq.request_id])
+            seq.num_pending -= 1
+            token = sampled[seq.request_id]
+            seq.append_token(token)
+            # (cheap filter: only a stop id or the length limit can end it)
+            if token in seq.stop_ids or seq.num_tokens >= seq.token_limit:
                 reason = self._stop_reason(seq)
                 if reason is not None:
                     self.finish(seq, reason)

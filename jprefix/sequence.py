@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from typing import Any
 
@@ -71,6 +72,13 @@ class Sequence:
         # row of the last such step's device output that holds the newest of them.
         self.num_pending = 0
         self.pending_row = -1
+        sp = sampling_params
+        # `all_token_ids` never grows past this length (prompt + max_tokens) ...
+        self.token_limit = (len(self.prompt_token_ids) + sp.max_tokens if sp is not None
+                            else sys.maxsize)
+        # ... and a token in stop_ids may stop it (the sampling params' stop_token_ids; the
+        # scheduler adds the model's EOS ids unless ignore_eos): fast per-step checks
+        self.stop_ids = frozenset(sp.stop_token_ids or ()) if sp is not None else frozenset()
         self.seed = seed  # sampling stream: fold_in(key(seed), num_output_tokens)
         self.prompt = prompt  # the prompt text, when it was given as text
         self.first_token_time: float | None = None
