@@ -92,7 +92,7 @@ def cascade_attention(
     interpret: bool = False,
     use_reference: bool = False,
     max_q_len: int | None = None,
-    prefix_block_q: int = 128,
+    prefix_block_q: int = 64,
     prefix_kv_splits: int | None = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
@@ -100,9 +100,10 @@ def cascade_attention(
     Equals `paged_attention` over the full block tables (prefix blocks + suffix blocks,
     kv_lens = prefix + suffix). `max_q_len` is the suffix part's tiling hint (1 = decode);
     the prefix part always uses the prefill tiling with `prefix_block_q` rows per tile and
-    `prefix_kv_splits` key-range splits (None: enough for about 1024 programs, at most
-    8). `use_reference` runs the same composition on `paged_attention_reference` (the
-    XLA path; the tuning knobs are ignored there).
+    `prefix_kv_splits` key-range splits (None: the most, up to 8, that keep it within
+    about 384 programs; the defaults measured best on an H200 at 256 x 592, docs/PERF.md).
+    `use_reference` runs the same composition on `paged_attention_reference` (the XLA
+    path; the tuning knobs are ignored there).
     """
     _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     groups = _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
@@ -125,12 +126,16 @@ def cascade_attention(
 
 
 def _prefix_splits(q, k_cache, block_q: int) -> int:
-    """Key-range splits for the prefix part: about 1024 programs, between 1 and 8."""
+    """Key-range splits for the prefix part: the most (up to 8) within ~384 programs.
+    (Its tiles are few and its keys many; more splits cost more partials to combine.)"""
     t, h, _ = q.shape
     k = k_cache.shape[1]
     group_padded = 1 << max(0, h // k - 1).bit_length()
-    tiles = -(-t // max(1, block_q // group_padded))
-    return min(8, 1 << max(0, 1024 // (tiles * k) - 1).bit_length())
+    programs = -(-t // max(1, block_q // group_padded)) * k
+    splits = 1
+    while splits < 8 and programs * splits * 2 <= 384:
+        splits *= 2
+    return splits
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))

@@ -80,7 +80,7 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
 
 def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
             kv_splits, interpret, prefetch_pages, causal, return_lse, single_loop,
-            evict_first) -> KernelConfig:
+            evict_first, mask_q) -> KernelConfig:
     t, h, d = q.shape
     _, k, n, b, _ = k_cache.shape
     g = h // k
@@ -92,6 +92,8 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         raise ValueError(f"block_q ({block_q}) and block_kv ({block_kv}) must be powers of 2")
     if prefetch_pages is None:
         prefetch_pages = decode
+    if mask_q is None:
+        mask_q = decode
     if kv_splits is None and decode:  # one tile per token
         kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k))))
     elif kv_splits is None:  # ~ceil(T / tile_tokens) tiles (ragged edges aside)
@@ -107,14 +109,14 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
         dump_rows=interpret, prefetch_pages=prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=single_loop,
-        evict_first=evict_first,
+        evict_first=evict_first, mask_q=mask_q,
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
     "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse", "single_loop",
-    "evict_first"))
+    "evict_first", "mask_q"))
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -138,6 +140,7 @@ def paged_attention(
     return_lse: bool = False,
     single_loop: bool = False,
     evict_first: bool = False,
+    mask_q: bool | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a ragged batch against the paged KV cache. Returns [T, H, D].
 
@@ -152,8 +155,9 @@ def paged_attention(
     for any input. `block_kv` (keys per inner step), `num_warps`, `num_stages` (None: 3
     decode, 4 prefill, 2 float32), `prefetch_pages` (load the next step's page ids a step
     early; None = on for the decode tiling, off for prefill), `single_loop` (one masked
-    key loop instead of unmasked steps then the masked edge) and `evict_first` (cache
-    hint on the K/V loads) tune the Triton lowering; the defaults are the best measured
+    key loop instead of unmasked steps then the masked edge), `evict_first` (cache
+    hint on the K/V loads) and `mask_q` (skip loading a tile's padding query rows; None
+    = on for the decode tiling) tune the Triton lowering; the defaults are the best measured
     on an H200 (docs/PERF.md).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
@@ -161,7 +165,7 @@ def paged_attention(
                   max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
                   kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages,
                   causal=causal, return_lse=return_lse, single_loop=single_loop,
-                  evict_first=evict_first)
+                  evict_first=evict_first, mask_q=mask_q)
     if num_stages is None:
         num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
     num_layers, k, n, b, d = k_cache.shape

@@ -56,6 +56,7 @@ class KernelConfig:
     return_lse: bool = False  # also output the natural-log log-sum-exp per row
     single_loop: bool = False  # one masked key loop instead of full steps + masked edge
     evict_first: bool = False  # K/V loads hint evict_first (streamed once)
+    mask_q: bool = False  # q rows outside the tile's valid rows are not loaded (zeros)
 
     @property
     def block_kv(self) -> int:
@@ -179,8 +180,10 @@ def ragged_paged_attention_kernel(
     row = (tok0 + tok) * cfg.num_heads + kvh * cfg.group + g
     row = jnp.clip(row, 0, cfg.num_rows - 1)
     cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
-    # [R, D]; rows not ok read nothing (zeros): a decode tile holds 1-8 real rows of 16
-    q = plgpu.load(q_ref.at[row[:, None], cols[None, :]], mask=row_ok[:, None], other=0.0)
+    if cfg.mask_q:  # rows not ok read nothing (zeros): a decode tile has 1-8 real rows of 16
+        q = plgpu.load(q_ref.at[row[:, None], cols[None, :]], mask=row_ok[:, None], other=0.0)
+    else:  # rows not ok hold some other row
+        q = q_ref[row[:, None], cols[None, :]]  # [R, D]
     pos = first_pos + tok  # [R]
 
     # Keys this tile needs: [0, kv_hi). Keys < kv_full are visible to every row.

@@ -4,6 +4,8 @@ Each sequence holds the shared prefix (`--prefix` tokens, whole blocks, the same
 physical blocks for all) and `--own` tokens of its own; one decode query each. Times the
 plain paged kernel over the full block tables against `cascade_attention` (prefix once
 per group + per-sequence suffix + merge), after checking both against the reference.
+Times are device times per call (bench_kernels.measure: the kernels' busy time in a
+profiler trace); the JSON also has the wall time of back-to-back calls.
 
     PYTHONPATH=$PWD python3 scripts/bench_cascade.py --output-json out.json
 """
@@ -20,7 +22,7 @@ import numpy as np
 
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from scripts.bench_kernels import rel_err, timeit  # (run with PYTHONPATH=$PWD)
+from scripts.bench_kernels import measure, rel_err  # (run with PYTHONPATH=$PWD)
 
 B = 16  # block size
 
@@ -53,7 +55,7 @@ def parts(casc, scale):
                                              max_q_len=1, return_lse=True))
     prefix = jax.jit(lambda: paged_attention(q, kc, vc, layer, ptab, plen, pcu, scale=scale,
                                              causal=False, return_lse=True))
-    return timeit(suffix, reps=20), timeit(prefix, reps=20)
+    return measure(suffix)["seconds"], measure(prefix)["seconds"]
 
 
 def main() -> None:
@@ -72,14 +74,17 @@ def main() -> None:
             ref = paged_attention_reference(*plain, scale=scale)
             out_p = paged_attention(*plain, scale=scale, max_q_len=1)
             out_c = cascade_attention(*casc, scale=scale, max_q_len=1)
-            t_p = timeit(lambda plain=plain: paged_attention(*plain, scale=scale, max_q_len=1),
-                         reps=20)
-            t_c = timeit(lambda casc=casc: cascade_attention(*casc, scale=scale, max_q_len=1),
-                         reps=20)
+            m_p = measure(jax.jit(lambda plain=plain: paged_attention(*plain, scale=scale,
+                                                                      max_q_len=1)))
+            m_c = measure(jax.jit(lambda casc=casc: cascade_attention(*casc, scale=scale,
+                                                                      max_q_len=1)))
+            t_p, t_c = m_p["seconds"], m_c["seconds"]
             t_suffix, t_prefix = parts(casc, scale)
             kv_bytes = 2 * seqs * (prefix + args.own) * 32 * 128 * 2
             rows.append(dict(seqs=seqs, prefix=prefix, own=args.own, plain_ms=t_p * 1e3,
                              cascade_ms=t_c * 1e3, speedup=t_p / t_c,
+                             plain_wall_ms=m_p["wall_seconds"] * 1e3,
+                             cascade_wall_ms=m_c["wall_seconds"] * 1e3,
                              suffix_ms=t_suffix * 1e3, prefix_ms=t_prefix * 1e3,
                              suffix_tb_s=2 * seqs * args.own * 32 * 128 * 2 / t_suffix / 1e12,
                              plain_tb_s=kv_bytes / t_p / 1e12,
@@ -88,7 +93,8 @@ def main() -> None:
             if args.output_json:  # after every case: a timeout keeps what was measured
                 with open(args.output_json, "w") as f:
                     json.dump(rows, f, indent=1)
-    print(f"\ncascade vs plain paged decode attention, heads 32/32, D 128, bf16, block {B}, "
+    print(f"\ncascade vs plain paged decode attention (device time), heads 32/32, D 128, "
+          f"bf16, block {B}, "
           f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     for r in rows:
         print(f"{r['seqs']:4d} seqs x ({r['prefix']} shared + {r['own']} own): plain "

@@ -165,6 +165,8 @@ def test_kernel_prefetch_pages(max_q_len):
     {"single_loop": True},
     {"evict_first": True, "prefetch_pages": False},
     {"single_loop": True, "prefetch_pages": True, "evict_first": True},
+    {"mask_q": True},  # (the decode tiling's default; prefill rows too)
+    {"mask_q": False},  # (the prefill tiling's default; decode rows too)
 ])
 @pytest.mark.parametrize("max_q_len", [None, 1])
 def test_kernel_loop_and_cache_hint_variants(knobs, max_q_len):
