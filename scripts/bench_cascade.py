@@ -13,6 +13,8 @@ profiler trace); the JSON also has the wall time of back-to-back calls.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import math
 
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cascade_attention import cascade_attention
+from pallas_kernels.cascade_attention import _prefix_splits, cascade_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from scripts.bench_kernels import measure, rel_err  # (run with PYTHONPATH=$PWD)
 
@@ -48,53 +50,63 @@ def make_case(rng, seqs: int, prefix: int, own: int, heads=(32, 32), d=128):
     return plain, cascade
 
 
-def parts(casc, scale):
-    """The cascade's two kernel calls alone: (suffix seconds, shared-prefix seconds)."""
+def parts(casc, scale, interpret=False):
+    """The cascade's two kernel calls alone: (suffix seconds, shared-prefix seconds).
+    (The arrays go in as arguments: a jit closing over them would bake them in.)"""
     q, kc, vc, layer, ptab, plen, pcu, stab, slen, cu = casc
-    suffix = jax.jit(lambda: paged_attention(q, kc, vc, layer, stab, slen, cu, scale=scale,
-                                             max_q_len=1, return_lse=True))
-    prefix = jax.jit(lambda: paged_attention(q, kc, vc, layer, ptab, plen, pcu, scale=scale,
-                                             causal=False, return_lse=True))
-    return measure(suffix)["seconds"], measure(prefix)["seconds"]
+    attn = functools.partial(paged_attention, scale=scale, return_lse=True,
+                             interpret=interpret)
+    suffix = measure(functools.partial(attn, max_q_len=1), q, kc, vc, layer, stab, slen, cu)
+    # the prefix part as cascade_attention runs it: its tile size and split rule
+    # (cascade_attention also prepends an empty group; it adds no work)
+    block_q = inspect.signature(cascade_attention).parameters["prefix_block_q"].default
+    prefix = measure(functools.partial(attn, causal=False, block_q=block_q,
+                                       kv_splits=_prefix_splits(q, kc, block_q)),
+                     q, kc, vc, layer, ptab, plen, pcu)
+    return suffix["seconds"], prefix["seconds"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prefix", type=int, nargs="+", default=[592, 2048])
     ap.add_argument("--own", type=int, default=232)  # 104 prompt + 128 generated
     ap.add_argument("--output-json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    args = ap.parse_args(argv)
+    heads, d = ((4, 4), 32) if args.smoke else ((32, 32), 128)
+    if args.smoke:
+        args.seqs, args.prefix, args.own = [4], [32], 8
     rng = np.random.default_rng(0)
-    scale = 1 / math.sqrt(128)
+    scale = 1 / math.sqrt(d)
     rows = []
     for prefix in args.prefix:
         for seqs in args.seqs:
-            plain, casc = make_case(rng, seqs, prefix, args.own)
+            plain, casc = make_case(rng, seqs, prefix, args.own, heads, d)
             ref = paged_attention_reference(*plain, scale=scale)
-            out_p = paged_attention(*plain, scale=scale, max_q_len=1)
-            out_c = cascade_attention(*casc, scale=scale, max_q_len=1)
-            m_p = measure(jax.jit(lambda plain=plain: paged_attention(*plain, scale=scale,
-                                                                      max_q_len=1)))
-            m_c = measure(jax.jit(lambda casc=casc: cascade_attention(*casc, scale=scale,
-                                                                      max_q_len=1)))
+            plain_fn = functools.partial(paged_attention, scale=scale, max_q_len=1,
+                                         interpret=args.smoke)
+            casc_fn = functools.partial(cascade_attention, scale=scale, max_q_len=1,
+                                        interpret=args.smoke)
+            out_p, out_c = plain_fn(*plain), casc_fn(*casc)
+            m_p, m_c = measure(plain_fn, *plain), measure(casc_fn, *casc)
             t_p, t_c = m_p["seconds"], m_c["seconds"]
-            t_suffix, t_prefix = parts(casc, scale)
-            kv_bytes = 2 * seqs * (prefix + args.own) * 32 * 128 * 2
+            t_suffix, t_prefix = parts(casc, scale, args.smoke)
+            kv_bytes = 2 * seqs * (prefix + args.own) * heads[1] * d * 2
             rows.append(dict(seqs=seqs, prefix=prefix, own=args.own, plain_ms=t_p * 1e3,
                              cascade_ms=t_c * 1e3, speedup=t_p / t_c,
                              plain_wall_ms=m_p["wall_seconds"] * 1e3,
                              cascade_wall_ms=m_c["wall_seconds"] * 1e3,
                              suffix_ms=t_suffix * 1e3, prefix_ms=t_prefix * 1e3,
-                             suffix_tb_s=2 * seqs * args.own * 32 * 128 * 2 / t_suffix / 1e12,
+                             suffix_tb_s=2 * seqs * args.own * heads[1] * d * 2 / t_suffix / 1e12,
                              plain_tb_s=kv_bytes / t_p / 1e12,
                              err_plain=rel_err(out_p, ref), err_cascade=rel_err(out_c, ref)))
             print(rows[-1], flush=True)
             if args.output_json:  # after every case: a timeout keeps what was measured
                 with open(args.output_json, "w") as f:
                     json.dump(rows, f, indent=1)
-    print(f"\ncascade vs plain paged decode attention (device time), heads 32/32, D 128, "
-          f"bf16, block {B}, "
+    print(f"\ncascade vs plain paged decode attention (device time), heads "
+          f"{heads[0]}/{heads[1]}, D {d}, bf16, block {B}, "
           f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     for r in rows:
         print(f"{r['seqs']:4d} seqs x ({r['prefix']} shared + {r['own']} own): plain "
@@ -103,6 +115,7 @@ def main() -> None:
               f"{r['suffix_tb_s']:.2f} TB/s, prefix {r['prefix_ms']:.3f}) | "
               f"{r['speedup']:.2f}x | rel err "
               f"{r['err_plain']:.1e} / {r['err_cascade']:.1e}")
+    return rows
 
 
 if __name__ == "__main__":

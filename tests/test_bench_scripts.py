@@ -190,6 +190,14 @@ def test_profile_engine_smoke(tmp_path):
             assert config[part]["steps"] == 1 and config[part]["per_step_ms"] > 0
 
 
+def test_bench_cascade_smoke():
+    # interpret mode: checks the plain and cascade kernels against the reference and
+    # that the timing path (device time where a GPU reports kernels) runs end to end
+    rows = script("bench_cascade").main(["--smoke"])
+    assert len(rows) == 1 and rows[0]["err_plain"] < 2e-2 and rows[0]["err_cascade"] < 2e-2
+    assert rows[0]["plain_ms"] > 0 and rows[0]["prefix_ms"] > 0 and rows[0]["suffix_ms"] > 0
+
+
 def test_bench_host_smoke():
     r = script("bench_host").main(["--num-prompts", "16", "--prefix-len", "64",
                                    "--unique-len", "8", "--steps", "10"])
