@@ -102,14 +102,23 @@ def rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def make_case(seed, *, heads, seqs, block_size=16, head_dim=128, layers=2, dtype=BF16):
-    """Ragged batch of (q_len, kv_len) per sequence over a shuffled paged cache."""
+def make_case(seed, *, heads, seqs, block_size=16, head_dim=128, layers=2, dtype=BF16,
+              num_blocks=None, spread=True):
+    """Ragged batch of (q_len, kv_len) per sequence over a shuffled paged cache.
+
+    `num_blocks` (default: just the blocks used) sizes an engine-like pool: `layers` x
+    `num_blocks` blocks per KV head, of which the used ones sit in the last layer, drawn
+    from the whole pool (`spread`) or from its first blocks. The rest of the pool holds a
+    constant (a 32-layer Llama-2-7B pool of 12k blocks is 50 GB per cache: no random
+    fill)."""
     h, kh = heads
     rng = np.random.default_rng(seed)
     blocks = [-(-kv // block_size) for _, kv in seqs]
     m = max(blocks)
-    n = 1 + sum(blocks)
-    physical = rng.permutation(np.arange(1, n)).astype(np.int32)
+    used = sum(blocks)
+    n = max(1 + used, num_blocks or 0)
+    pool = np.arange(1, n) if spread else np.arange(1, 1 + used)
+    physical = rng.permutation(pool)[:used].astype(np.int32)
     tables = np.zeros((len(seqs), m), np.int32)
     offsets = np.cumsum([0] + blocks)
     for s, nb in enumerate(blocks):
@@ -118,10 +127,23 @@ def make_case(seed, *, heads, seqs, block_size=16, head_dim=128, layers=2, dtype
     key = jax.random.PRNGKey(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     shape = (layers, kh, n, block_size, head_dim)
+    if num_blocks is None:
+        k_cache = jax.random.normal(k2, shape, dtype)
+        v_cache = jax.random.normal(k3, shape, dtype)
+    else:  # random values in the used blocks of the last layer only, built in place
+        fill = (used, kh, block_size, head_dim)  # (the indexed dims go first)
+
+        @jax.jit
+        def pool(key, rows):
+            vals = jax.random.normal(key, fill, dtype)
+            return jnp.full(shape, 0.5, dtype).at[layers - 1, :, rows].set(vals)
+
+        k_cache = pool(k2, jnp.asarray(physical))
+        v_cache = pool(k3, jnp.asarray(physical))
     return dict(
         q=jax.random.normal(k1, (int(cu[-1]), h, head_dim), dtype),
-        k_cache=jax.random.normal(k2, shape, dtype),
-        v_cache=jax.random.normal(k3, shape, dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
         layer=jnp.int32(layers - 1),
         block_tables=jnp.asarray(tables),
         kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),

@@ -1,8 +1,9 @@
 """Sweeps `paged_attention`'s tuning knobs on the decode-side shapes that matter (GPU).
 
 Shapes: the two halves of issue 6's cascade decode at 256 x (592 shared + 232 own): the
-per-sequence suffix (causal, 232 keys, with LSE) and the shared prefix (592 keys, no
-mask, all 256 queries in one group, with LSE); issue 3's decode table (Llama-2-7B 32/32
+per-sequence suffix (causal, 232 keys, with LSE; also inside an engine-sized 32-layer
+pool of 8,192 blocks, its blocks spread or packed) and the shared prefix (592 keys, no mask, all 256
+queries in one group, with LSE); issue 3's decode table (Llama-2-7B 32/32
 and Llama-3-8B 32/8 heads, batch 256 and 64, context 2048); issue 3's prefill (8 x 2048);
 the prefill of one prompt with 596 of its 700 tokens cached (time to first token); and
 prefix-cached prefill (64 x (596 + 104) cached and uncached). `--profile` adds each
@@ -61,6 +62,7 @@ PREFILL_KNOBS = {
     for bq, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))
 }
 
+POOL_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "kv128/s2", "w2", "evict")}
 TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
                                 for bq, s in itertools.product((64, 128), (1, 2, 4, 8))}
 
@@ -75,6 +77,14 @@ def shapes(smoke: bool):
     out = [(f"cascade suffix {seqs} x {own}",
             dict(heads=hh, seqs=[(1, own)] * seqs, head_dim=d),
             dict(max_q_len=1, return_lse=True), DECODE_KNOBS, 2 * seqs * own * hh[1] * d * 2),
+           # the same suffix in an engine-sized pool (Llama-2-7B: 32 layers x 8,192
+           # blocks, 34 GB per cache; 64-bit offsets), its blocks spread over the whole
+           # pool as in the engine, or packed at its start
+           *[(f"engine-pool suffix {seqs} x {own}, {where}",
+              dict(heads=hh, seqs=[(1, own)] * seqs, head_dim=d, layers=4 if smoke else 32,
+                   num_blocks=4 * seqs if smoke else 8192, spread=where == "spread"),
+              dict(max_q_len=1, return_lse=True), POOL_KNOBS, 2 * seqs * own * hh[1] * d * 2)
+             for where in ("spread", "packed")],
            (f"cascade prefix {seqs} q x {prefix}",
             dict(heads=hh, seqs=[(seqs, prefix)], head_dim=d),
             dict(causal=False, return_lse=True), PREFIX_KNOBS, 2 * prefix * hh[1] * d * 2)]
