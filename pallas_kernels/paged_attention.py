@@ -80,7 +80,7 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
 
 def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
             kv_splits, interpret, prefetch_pages, causal, return_lse, single_loop,
-            evict_first, mask_q) -> KernelConfig:
+            evict_first, mask_q, mask_kv) -> KernelConfig:
     t, h, d = q.shape
     _, k, n, b, _ = k_cache.shape
     g = h // k
@@ -109,14 +109,14 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
         dump_rows=interpret, prefetch_pages=prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=single_loop,
-        evict_first=evict_first, mask_q=mask_q,
+        evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv,
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
     "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse", "single_loop",
-    "evict_first", "mask_q"))
+    "evict_first", "mask_q", "mask_kv"))
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -141,6 +141,7 @@ def paged_attention(
     single_loop: bool = False,
     evict_first: bool = False,
     mask_q: bool | None = None,
+    mask_kv: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a ragged batch against the paged KV cache. Returns [T, H, D].
 
@@ -156,8 +157,9 @@ def paged_attention(
     decode, 4 prefill, 2 float32), `prefetch_pages` (load the next step's page ids a step
     early; None = on for the decode tiling, off for prefill), `single_loop` (one masked
     key loop instead of unmasked steps then the masked edge), `evict_first` (cache
-    hint on the K/V loads) and `mask_q` (skip loading a tile's padding query rows; None
-    = on for the decode tiling) tune the Triton lowering; the defaults are the best measured
+    hint on the K/V loads), `mask_q` (skip loading a tile's padding query rows; None
+    = on for the decode tiling) and `mask_kv` (edge steps skip loading keys past kv_len)
+    tune the Triton lowering; the defaults are the best measured
     on an H200 (docs/PERF.md).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
@@ -165,7 +167,7 @@ def paged_attention(
                   max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
                   kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages,
                   causal=causal, return_lse=return_lse, single_loop=single_loop,
-                  evict_first=evict_first, mask_q=mask_q)
+                  evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv)
     if num_stages is None:
         num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
     num_layers, k, n, b, d = k_cache.shape

@@ -57,6 +57,7 @@ class KernelConfig:
     single_loop: bool = False  # one masked key loop instead of full steps + masked edge
     evict_first: bool = False  # K/V loads hint evict_first (streamed once)
     mask_q: bool = False  # q rows outside the tile's valid rows are not loaded (zeros)
+    mask_kv: bool = True  # edge steps skip loading keys at or past kv_len (zeros)
 
     @property
     def block_kv(self) -> int:
@@ -119,10 +120,13 @@ def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg
                                                    - 1), cfg)
     else:
         pages = nxt = _load_pages(bt_ref, seq, j, cfg)
-    k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg)
+    key_pos = j * cfg.block_kv + jnp.arange(cfg.block_kv, dtype=jnp.int32)
+    # An edge step's keys past kv_len are padding: with mask_kv they are not fetched
+    # (a short decode suffix of ~130 keys would otherwise read 192 rows).
+    kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
+    k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok)
     x = _logits(q, k, cfg)
     if masked:
-        key_pos = j * cfg.block_kv + jnp.arange(cfg.block_kv, dtype=jnp.int32)
         if cfg.causal:
             visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
         else:
@@ -142,8 +146,9 @@ def _load_pages(bt_ref, seq, j, cfg):
     return bt_ref[seq, j * cfg.pages_per_step + kk // cfg.block_size]
 
 
-def _gather_kv(k_ref, v_ref, page_base, pages, cfg):
-    """The step's keys and values, [block_kv, D] each, one cache row per key.
+def _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok=None):
+    """The step's keys and values, [block_kv, D] each, one cache row per key; rows where
+    `kv_ok` [block_kv] is False are not loaded (zeros).
 
     Row-per-key pointers (rather than a [P, B, D] page load reshaped to [block_kv, D])
     measured 1.5-1.7x faster decode on the H200 (docs/PERF.md, 2026-11-30).
@@ -152,10 +157,12 @@ def _gather_kv(k_ref, v_ref, page_base, pages, cfg):
     rows = (page_base + pages) * cfg.block_size + kk % cfg.block_size
     cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
     idx = (rows[:, None], cols[None, :])
+    if kv_ok is None and not cfg.evict_first:
+        return k_ref[idx], v_ref[idx]
+    kw = {} if kv_ok is None else {"mask": kv_ok[:, None], "other": 0.0}
     if cfg.evict_first:
-        return (plgpu.load(k_ref.at[idx], eviction_policy="evict_first"),
-                plgpu.load(v_ref.at[idx], eviction_policy="evict_first"))
-    return k_ref[idx], v_ref[idx]
+        kw["eviction_policy"] = "evict_first"
+    return plgpu.load(k_ref.at[idx], **kw), plgpu.load(v_ref.at[idx], **kw)
 
 
 def ragged_paged_attention_kernel(

@@ -42,6 +42,7 @@ DECODE_KNOBS = {  # name -> paged_attention keyword arguments (max_q_len=1 added
     "s2": {"num_stages": 2},
     "s4": {"num_stages": 4},
     "w8": {"num_warps": 8},
+    "no-mask-kv": {"mask_kv": False},
 }
 SPLIT_KNOBS = {f"{name}+split{s}": {**kw, "kv_splits": s}
                for (name, kw), s in itertools.product(
@@ -63,6 +64,8 @@ PREFILL_KNOBS = {
 }
 
 POOL_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "kv128/s2", "w2", "evict")}
+SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2", "w2")} | {
+    "kv32": {"block_kv": 32}, "kv32/no-mask-kv": {"block_kv": 32, "mask_kv": False}}
 TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
                                 for bq, s in itertools.product((64, 128), (1, 2, 4, 8))}
 
@@ -74,9 +77,13 @@ def shapes(smoke: bool):
     ctx, batches = (64, (4,)) if smoke else (2048, (256, 64))
     hh = (4, 4) if smoke else (32, 32)
     seqs, own, prefix = (8, 24, 32) if smoke else (256, 232, 592)
+    short = 12 if smoke else 130  # the engine's suffix ~20 steps into decoding
     out = [(f"cascade suffix {seqs} x {own}",
             dict(heads=hh, seqs=[(1, own)] * seqs, head_dim=d),
             dict(max_q_len=1, return_lse=True), DECODE_KNOBS, 2 * seqs * own * hh[1] * d * 2),
+           (f"short suffix {seqs} x {short}",
+            dict(heads=hh, seqs=[(1, short)] * seqs, head_dim=d),
+            dict(max_q_len=1, return_lse=True), SHORT_KNOBS, 2 * seqs * short * hh[1] * d * 2),
            # the same suffix in an engine-sized pool (Llama-2-7B: 32 layers x 8,192
            # blocks, 34 GB per cache; 64-bit offsets), its blocks spread over the whole
            # pool as in the engine, or packed at its start

@@ -167,6 +167,8 @@ def test_kernel_prefetch_pages(max_q_len):
     {"single_loop": True, "prefetch_pages": True, "evict_first": True},
     {"mask_q": True},  # (the decode tiling's default; prefill rows too)
     {"mask_q": False},  # (the prefill tiling's default; decode rows too)
+    {"mask_kv": False},  # edge steps load every key row (the default skips past kv_len)
+    {"mask_kv": True, "evict_first": True},
 ])
 @pytest.mark.parametrize("max_q_len", [None, 1])
 def test_kernel_loop_and_cache_hint_variants(knobs, max_q_len):
