@@ -40,28 +40,24 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
     sequences in the same order, as in steady decoding) reuse its tables and constants.
     """
     n = len(scheduled)
-    # One Python pass over the rows (their known token ids, lengths and tables); the
-    # rest is whole-array numpy.
+    # The rows' columns by C-level transposition (ScheduledSeq is a tuple), one Python pass
+    # for the known token ids; the rest is whole-array numpy.
+    seqs, start_list, q_list, _ = map(list, zip(*scheduled, strict=True)) if n else ([],) * 4
+    tables = [seq.block_table_array() for seq in seqs]
     ids: list[int] = []
     pending: list[tuple[int, int]] = []  # (flat token index, source row)
-    seqs, tables, q_list, start_list = [], [], [], []
-    for sc in scheduled:
-        seq, q, start = sc.seq, sc.num_new_tokens, sc.start
+    for seq, start, q in zip(seqs, start_list, q_list, strict=True):
         tokens = seq.all_token_ids
         if q == 1 and start < len(tokens):  # (a decode of a known token)
             ids.append(tokens[start])
-        else:
-            known = tokens[start : start + q]
-            ids += known
-            if len(known) < q:  # only the newest token can be pending
-                if len(known) != q - 1:
-                    raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
-                pending.append((len(ids), seq.pending_row))
-                ids.append(0)
-        seqs.append(seq)
-        tables.append(seq.block_table_array())
-        q_list.append(q)
-        start_list.append(start)
+            continue
+        known = tokens[start : start + q]
+        ids += known
+        if len(known) < q:  # only the newest token can be pending
+            if len(known) != q - 1:
+                raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
+            pending.append((len(ids), seq.pending_row))
+            ids.append(0)
     q_lens = np.array(q_list, np.int32).reshape(n)
     starts = np.array(start_list, np.int32).reshape(n)
     consts = _sampling_constants(seqs, cache)
