@@ -42,7 +42,8 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
     n = len(scheduled)
     # The rows' columns by C-level transposition (ScheduledSeq is a tuple), one Python pass
     # for the known token ids; the rest is whole-array numpy.
-    seqs, start_list, q_list, _ = map(list, zip(*scheduled, strict=True)) if n else ([],) * 4
+    seqs, start_list, q_list, _ = (map(list, zip(*scheduled, strict=True)) if n
+                                   else tuple([] for _ in range(4)))
     tables = [seq.block_table_array() for seq in seqs]
     ids: list[int] = []
     pending: list[tuple[int, int]] = []  # (flat token index, source row)

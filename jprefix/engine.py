@@ -205,6 +205,8 @@ class LLMEngine:
                 # one step late): retire it now, so an idle engine holds no step
                 self._process(self._inflight)
                 self._inflight = None
+            if not self.scheduler.running:
+                self._last_plan = None  # nothing decodes: hold no finished sequence
             return self._collect(finished)
 
     def _process(self, done: _InFlight) -> list[Sequence]:
@@ -226,10 +228,13 @@ class LLMEngine:
 
     def _cascade_plan(self, scheduled) -> CascadePlan | None:
         """The step's cascade grouping. A decode step of the same sequences, in the same
-        order, as the last planned one reuses its plan: a running sequence's table only
-        grows, so each member still holds its group's prefix blocks (sharing can only
-        change when sequences join or leave, which changes the list)."""
+        order, as the last planned one reuses its plan. A sequence's table is replaced
+        only when it is preempted (or finishes), which takes it out of the running list;
+        otherwise it only grows, so each member still holds its group's prefix blocks.
+        Sharing changes only when sequences join or leave, which changes the list, so a
+        reused plan is also as good as a new one."""
         if not (self.args.enable_cascade and self.args.enable_prefix_caching):
+            self._last_plan = None  # (holds no finished sequences; settings re-read)
             return None
         seqs = [sc.seq for sc in scheduled]
         last = self._last_plan

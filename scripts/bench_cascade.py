@@ -56,10 +56,13 @@ def parts(casc, scale, interpret=False):
     q, kc, vc, layer, ptab, plen, pcu, stab, slen, cu = casc
     attn = functools.partial(paged_attention, scale=scale, return_lse=True,
                              interpret=interpret)
-    suffix = measure(functools.partial(attn, max_q_len=1), q, kc, vc, layer, stab, slen, cu)
-    # the prefix part as cascade_attention runs it: its tile size and split rule
-    # (cascade_attention also prepends an empty group; it adds no work)
-    block_q = inspect.signature(cascade_attention).parameters["prefix_block_q"].default
+    # both parts as cascade_attention runs them: its default key step for the suffix, tile
+    # size and split rule for the prefix (it also prepends an empty group: no work)
+    defaults = inspect.signature(cascade_attention).parameters
+    suffix = measure(functools.partial(attn, max_q_len=1,
+                                       block_kv=defaults["suffix_block_kv"].default),
+                     q, kc, vc, layer, stab, slen, cu)
+    block_q = defaults["prefix_block_q"].default
     prefix = measure(functools.partial(attn, causal=False, block_q=block_q,
                                        kv_splits=_prefix_splits(q, kc, block_q)),
                      q, kc, vc, layer, ptab, plen, pcu)

@@ -62,12 +62,14 @@ def device_times(fn, *args, reps=20) -> dict | None:
 
     jax.block_until_ready(fn(*args))
     trace_dir = tempfile.mkdtemp(prefix="jprefix-kernel-trace-")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     try:
-        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         for _ in range(reps):
             out = fn(*args)
         jax.block_until_ready(out)
+    finally:  # (a trace left running would make every later start_trace fail)
         jax.profiler.stop_trace()
+    try:
         events = load_trace(trace_dir)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
@@ -78,7 +80,7 @@ def device_times(fn, *args, reps=20) -> dict | None:
         return None
     per_name: dict[str, float] = {}
     for lo, hi, name in spans:
-        per_name[name[:80]] = per_name.get(name[:80], 0.0) + (hi - lo) / reps
+        per_name[name[:160]] = per_name.get(name[:160], 0.0) + (hi - lo) / reps
     return dict(busy_us=union_length([(lo, hi) for lo, hi, _ in spans]) / reps,
                 span_us=(max(s[1] for s in spans) - min(s[0] for s in spans)) / reps,
                 kernels=dict(sorted(per_name.items(), key=lambda kv: -kv[1])))
@@ -91,8 +93,14 @@ def measure(fn, *args) -> dict:
     back-to-back calls timed on the host (`timeit`)."""
     wall = timeit(fn, *args)
     dev = device_times(fn, *args, reps=10)
-    busy = dev["busy_us"] * 1e-6 if dev else None
-    return {"seconds": busy or wall, "wall_seconds": wall, "device_seconds": busy}
+    if dev is None:
+        return {"seconds": wall, "wall_seconds": wall, "time_source": "wall"}
+    # busy time leaves out the ~1 us gaps between an op's own kernels (a cascade call has
+    # 4-6 kernels, a plain one 2-4); span_seconds, first kernel to last over the calls,
+    # includes them and any host-bound idle between calls
+    return {"seconds": dev["busy_us"] * 1e-6, "wall_seconds": wall,
+            "device_seconds": dev["busy_us"] * 1e-6, "span_seconds": dev["span_us"] * 1e-6,
+            "time_source": "device"}
 
 
 def rel_err(out, ref):

@@ -86,3 +86,27 @@ def test_greedy_tokens_identical_with_cascade_on_and_off(tiny, backend):
     for p, sp, toks in zip(prompts, params, results[True], strict=True):
         assert toks == dense_generate(tiny.params, tiny.config, p, sp.max_tokens,
                                       eos_token_ids=())
+
+
+def test_decode_steps_of_the_same_sequences_reuse_the_plan(tiny):
+    # 6 requests over one shared 3-block prefix, all decoding together: the plan is made
+    # once their decoding starts, reused by the following steps (same object), and
+    # dropped once nothing runs (no finished sequence is kept)
+    rng = np.random.default_rng(3)
+    V = tiny.config.vocab_size
+    shared = rng.integers(3, V, 3 * BS).tolist()
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128, attention_backend="xla",
+              enable_cascade=True, cascade_min_group=2, cascade_min_blocks=1)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    for _ in range(6):
+        engine.add_sequence(engine.make_sequence(shared + rng.integers(3, V, 5).tolist(), sp,
+                                                 3 * BS))
+    plans = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        plans.append(engine._last_plan)
+    made = [p for p in plans if p is not None]
+    assert made, "no cascade step"
+    assert len({id(p[1]) for p in made}) < len(made)  # reused across steps
+    assert all(len(p[0]) == 6 for p in made) and engine._last_plan is None
