@@ -198,6 +198,17 @@ def test_bench_cascade_smoke():
     assert rows[0]["plain_ms"] > 0 and rows[0]["prefix_ms"] > 0 and rows[0]["suffix_ms"] > 0
 
 
+def test_sweep_attention_smoke(tmp_path):
+    # interpret mode, two knob settings of the short-suffix shape: each checked against the
+    # reference (exit 0), timed, and the JSON written (--profile finds no device kernels
+    # on the CPU and records wall time only)
+    out = tmp_path / "sweep.json"
+    rc = script("sweep_attention").main(["--smoke", "--only", "short suffix", "--profile",
+                                         "--reps", "2", "--output-json", str(out)])
+    rows = json.loads(out.read_text())["shapes"]["short suffix 8 x 12"]
+    assert rc == 0 and len(rows) == 2 and all(r["rel_err"] < 2e-2 and r["seconds"] for r in rows)
+
+
 def test_bench_host_smoke():
     r = script("bench_host").main(["--num-prompts", "16", "--prefix-len", "64",
                                    "--unique-len", "8", "--steps", "10"])
