@@ -80,7 +80,7 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
 
 def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
             kv_splits, interpret, prefetch_pages, causal, return_lse, single_loop,
-            evict_first, mask_q, mask_kv) -> KernelConfig:
+            evict_first, mask_q, mask_kv, heads_per_tile) -> KernelConfig:
     t, h, d = q.shape
     _, k, n, b, _ = k_cache.shape
     g = h // k
@@ -94,6 +94,10 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
         prefetch_pages = decode
     if mask_q is None:
         mask_q = decode
+    hp = heads_per_tile
+    if hp != 1 and not (decode and _is_pow2(hp) and k % hp == 0):
+        raise ValueError(f"heads_per_tile ({hp}) must be a power of 2 dividing the kv heads "
+                         f"({k}), with the decode tiling (max_q_len=1)")
     if kv_splits is None and decode:  # one tile per token
         kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k))))
     elif kv_splits is None:  # ~ceil(T / tile_tokens) tiles (ragged edges aside)
@@ -104,19 +108,19 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
             kv_splits *= 2
     return KernelConfig(
         num_heads=h, num_kv_heads=k, num_blocks=n, block_size=b, head_dim=d, group=g,
-        group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp),
+        group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp * hp),
         pages_per_step=block_kv // b, kv_splits=kv_splits, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
         dump_rows=interpret, prefetch_pages=prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=single_loop,
-        evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv,
+        evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv, heads_per_tile=hp,
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
     "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse", "single_loop",
-    "evict_first", "mask_q", "mask_kv"))
+    "evict_first", "mask_q", "mask_kv", "heads_per_tile"))
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -142,6 +146,7 @@ def paged_attention(
     evict_first: bool = False,
     mask_q: bool | None = None,
     mask_kv: bool = True,
+    heads_per_tile: int = 1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a ragged batch against the paged KV cache. Returns [T, H, D].
 
@@ -158,16 +163,18 @@ def paged_attention(
     early; None = on for the decode tiling, off for prefill), `single_loop` (one masked
     key loop instead of unmasked steps then the masked edge), `evict_first` (cache
     hint on the K/V loads), `mask_q` (skip loading a tile's padding query rows; None
-    = on for the decode tiling) and `mask_kv` (edge steps skip loading keys past kv_len)
-    tune the Triton lowering; the defaults are the best measured
-    on an H200 (docs/PERF.md).
+    = on for the decode tiling), `mask_kv` (edge steps skip loading keys past kv_len) and
+    `heads_per_tile` (decode tiling: KV heads per tile, each row masked to its own head's
+    keys; 1 = off, not yet measured on a GPU) tune the Triton lowering; the defaults are
+    the best measured on an H200 (docs/PERF.md).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,
                   max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
                   kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages,
                   causal=causal, return_lse=return_lse, single_loop=single_loop,
-                  evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv)
+                  evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv,
+                  heads_per_tile=heads_per_tile)
     if num_stages is None:
         num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
     num_layers, k, n, b, d = k_cache.shape

@@ -58,10 +58,20 @@ class KernelConfig:
     evict_first: bool = False  # K/V loads hint evict_first (streamed once)
     mask_q: bool = False  # q rows outside the tile's valid rows are not loaded (zeros)
     mask_kv: bool = True  # edge steps skip loading keys at or past kv_len (zeros)
+    # decode tiling only: KV heads per tile. With hp > 1 a tile's rows are hp query groups
+    # of one token, a step gathers block_kv keys of each of the hp heads, and a
+    # block-diagonal mask keeps each row to its own head's keys (more work per program
+    # for short contexts, where a program's fixed latency dominates)
+    heads_per_tile: int = 1
 
     @property
     def block_kv(self) -> int:
         return self.pages_per_step * self.block_size
+
+    @property
+    def keys_per_step(self) -> int:
+        """Rows gathered per step: block_kv keys of each of the tile's KV heads."""
+        return self.heads_per_tile * self.block_kv
 
 
 def num_tiles(num_tokens: int, num_seqs: int, tile_tokens: int) -> int:
@@ -108,7 +118,8 @@ def _logits(q, k, cfg: KernelConfig):
     return jnp.tanh(s * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
 
 
-def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg, masked):
+def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg,
+          masked):
     """One online-softmax step over `block_kv` keys gathered from `pages_per_step` pages.
 
     With `prefetch_pages` the carry holds this step's page ids, loaded one step ahead so
@@ -120,12 +131,15 @@ def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg
                                                    - 1), cfg)
     else:
         pages = nxt = _load_pages(bt_ref, seq, j, cfg)
-    key_pos = j * cfg.block_kv + jnp.arange(cfg.block_kv, dtype=jnp.int32)
+    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
+    key_pos = j * cfg.block_kv + kk % cfg.block_kv
     # An edge step's keys past kv_len are padding: with mask_kv they are not fetched
     # (a short decode suffix of ~130 keys would otherwise read 192 rows).
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
     k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok)
     x = _logits(q, k, cfg)
+    if cfg.heads_per_tile > 1:  # each row sees only its own head's keys
+        x = jnp.where((kk // cfg.block_kv)[None, :] == row_head[:, None], x, -jnp.inf)
     if masked:
         if cfg.causal:
             visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
@@ -141,8 +155,9 @@ def _step(j, carry, *, q, pos, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg
 
 
 def _load_pages(bt_ref, seq, j, cfg):
-    """Page id of each key of step j, [block_kv] (each page's id repeated B times)."""
-    kk = jnp.arange(cfg.block_kv, dtype=jnp.int32)
+    """Page id of each key of step j, [keys_per_step] (each page's id repeated B times,
+    and the step's ids repeated for each of the tile's heads)."""
+    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32) % cfg.block_kv
     return bt_ref[seq, j * cfg.pages_per_step + kk // cfg.block_size]
 
 
@@ -153,7 +168,9 @@ def _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok=None):
     Row-per-key pointers (rather than a [P, B, D] page load reshaped to [block_kv, D])
     measured 1.5-1.7x faster decode on the H200 (docs/PERF.md, 2026-11-30).
     """
-    kk = jnp.arange(cfg.block_kv, dtype=jnp.int32)
+    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
+    if cfg.heads_per_tile > 1:  # page_base is the tile's first head's; key kk is of head
+        page_base = page_base + (kk // cfg.block_kv) * cfg.num_blocks  # kk // block_kv
     rows = (page_base + pages) * cfg.block_size + kk % cfg.block_size
     cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
     idx = (rows[:, None], cols[None, :])
@@ -181,10 +198,18 @@ def ragged_paged_attention_kernel(
     seq, tok0, valid = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
     first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
 
+    kvh = kvh * cfg.heads_per_tile  # the tile's first KV head
     r = jnp.arange(cfg.tile_rows, dtype=jnp.int32)
-    tok, g = r // cfg.group_padded, r % cfg.group_padded
-    row_ok = (tok < valid) & (g < cfg.group)
-    row = (tok0 + tok) * cfg.num_heads + kvh * cfg.group + g
+    if cfg.heads_per_tile == 1:  # rows: tokens x padded group
+        tok, g = r // cfg.group_padded, r % cfg.group_padded
+        row_head = None
+        row_ok = (tok < valid) & (g < cfg.group)
+        row = (tok0 + tok) * cfg.num_heads + kvh * cfg.group + g
+    else:  # one token; rows: heads x padded group
+        tok = jnp.zeros_like(r)
+        row_head, g = r // cfg.group_padded, r % cfg.group_padded
+        row_ok = (valid > 0) & (row_head < cfg.heads_per_tile) & (g < cfg.group)
+        row = tok0 * cfg.num_heads + (kvh + row_head) * cfg.group + g
     row = jnp.clip(row, 0, cfg.num_rows - 1)
     cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
     if cfg.mask_q:  # rows not ok read nothing (zeros): a decode tile has 1-8 real rows of 16
@@ -208,7 +233,7 @@ def ragged_paged_attention_kernel(
 
     page_base = (layer_ref[0] * cfg.num_kv_heads + kvh) * cfg.num_blocks
     step = functools.partial(
-        _step, q=q, pos=pos, kv_len=kv_len, seq=seq, page_base=page_base,
+        _step, q=q, pos=pos, row_head=row_head, kv_len=kv_len, seq=seq, page_base=page_base,
         bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg,
     )
     carry = (
@@ -278,7 +303,7 @@ def run_kernel(q2, k2, v2, layer, block_tables, meta, cfg: KernelConfig, *,
                      jax.ShapeDtypeStruct((n,), jnp.float32)]
     outs = pl.pallas_call(
         functools.partial(ragged_paged_attention_kernel, cfg=cfg),
-        grid=(meta.shape[0], cfg.num_kv_heads, cfg.kv_splits),
+        grid=(meta.shape[0], cfg.num_kv_heads // cfg.heads_per_tile, cfg.kv_splits),
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -298,4 +323,5 @@ def _kernel_name(cfg: KernelConfig) -> str:
     name = f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}"
     name += "" if cfg.causal else "_full"
     name += "_lse" if cfg.return_lse else ""
+    name += f"_hp{cfg.heads_per_tile}" if cfg.heads_per_tile > 1 else ""
     return name + "_1loop" * cfg.single_loop

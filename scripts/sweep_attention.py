@@ -65,7 +65,11 @@ PREFILL_KNOBS = {
 
 POOL_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "kv128/s2", "w2", "evict")}
 SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2", "w2")} | {
-    "kv32": {"block_kv": 32}, "kv32/no-mask-kv": {"block_kv": 32, "mask_kv": False}}
+    "kv32": {"block_kv": 32}, "kv32/no-mask-kv": {"block_kv": 32, "mask_kv": False},
+    # several KV heads per decode tile (not yet measured on a GPU)
+    "hp2/kv32": {"heads_per_tile": 2, "block_kv": 32},
+    "hp4/kv32/s2": {"heads_per_tile": 4, "block_kv": 32, "num_stages": 2},
+    "hp2": {"heads_per_tile": 2}}
 TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
                                 for bq, s in itertools.product((64, 128), (1, 2, 4, 8))}
 

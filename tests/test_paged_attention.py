@@ -177,6 +177,28 @@ def test_kernel_loop_and_cache_hint_variants(knobs, max_q_len):
     check_kernel(batch, max_q_len=max_q_len, block_q=16, block_kv=16, **knobs)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hp,knobs", [
+    (4, 4, 2, {}),  # MHA, two heads per tile
+    (8, 8, 8, {"kv_splits": 2}),  # all heads in one tile, split key range
+    (8, 4, 2, {"soft_cap": 5.0}),  # GQA groups of 2, two groups per tile
+    (12, 4, 4, {"block_kv": 16, "prefetch_pages": True}),  # group 3 padded to 4
+])
+def test_kernel_heads_per_tile(heads, kv_heads, hp, knobs):
+    # decode tiling with several KV heads per tile; prefill rows too (one token per tile)
+    seqs = [(1, 37), (1, 3), (0, 0), (4, 20), (1, 1), (1, 64)]
+    batch = make_batch(np.random.default_rng(hp + heads), seqs, heads=heads,
+                       kv_heads=kv_heads)
+    check_kernel(batch, max_q_len=1, heads_per_tile=hp, **knobs)
+
+
+def test_heads_per_tile_needs_decode_tiling_and_a_divisor():
+    batch = make_batch(np.random.default_rng(0), [(1, 9)], heads=4, kv_heads=4)
+    for hp, max_q_len in ((3, 1), (8, 1), (2, None)):
+        with pytest.raises(ValueError, match="heads_per_tile"):
+            paged_attention(**batch, scale=0.3, interpret=INTERPRET, max_q_len=max_q_len,
+                            heads_per_tile=hp)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_soft_cap(dtype):
     batch = make_batch(np.random.default_rng(7), MIXED, dtype=dtype)
