@@ -268,21 +268,13 @@ class Scheduler:
             seq.num_pending -= 1
             token = sampled[seq.request_id]
             seq.append_token(token)
-            # (cheap filter: only a stop id or the length limit can end it)
-            if token in seq.stop_ids or seq.num_tokens >= seq.token_limit:
-                reason = self._stop_reason(seq)
-                if reason is not None:
-                    self.finish(seq, reason)
-                    finished.append(seq)
+            # stop_ids: its stop_token_ids and (unless ignore_eos) the EOS ids, from `add`
+            if token in seq.stop_ids and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+                reason = "stop"
+            elif seq.num_tokens >= seq.token_limit:  # max_tokens reached
+                reason = "length"
+            else:
+                continue
+            self.finish(seq, reason)
+            finished.append(seq)
         return finished
-
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        sp, token, num_out = seq.sampling_params, seq.all_token_ids[-1], seq.num_output_tokens
-        if num_out >= sp.min_tokens:
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                return "stop"
-            if not sp.ignore_eos and token in self.config.eos_token_ids:
-                return "stop"
-        if num_out >= sp.max_tokens:
-            return "length"
-        return None

@@ -19,10 +19,6 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # can never fit in the KV cache
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
-
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -76,8 +72,8 @@ class Sequence:
         # `all_token_ids` never grows past this length (prompt + max_tokens) ...
         self.token_limit = (len(self.prompt_token_ids) + sp.max_tokens if sp is not None
                             else sys.maxsize)
-        # ... and a token in stop_ids may stop it (the sampling params' stop_token_ids; the
-        # scheduler adds the model's EOS ids unless ignore_eos): fast per-step checks
+        # ... and a token in stop_ids stops it once min_tokens are out (the sampling params'
+        # stop_token_ids; the scheduler adds the model's EOS ids unless ignore_eos)
         self.stop_ids = frozenset(sp.stop_token_ids or ()) if sp is not None else frozenset()
         self.seed = seed  # sampling stream: fold_in(key(seed), num_output_tokens)
         self.prompt = prompt  # the prompt text, when it was given as text
