@@ -23,9 +23,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    prefill_kv_splits,
+)
 
 _INT32 = jnp.dtype(jnp.int32)
+# Defaults measured best on an H200 (docs/PERF.md, fourth session): the shared-prefix part
+# in 64-row tiles within ~384 programs (256 queries x 592 keys: 15 vs 25 us at 128 rows and
+# ~1024 programs); the per-sequence suffix, short, in 32-key steps (~130 keys: 0.146 vs
+# 0.172 ms with 64; the same at 232)
+PREFIX_BLOCK_Q = 64
+_PREFIX_TARGET_PROGRAMS, _PREFIX_MAX_SPLITS = 384, 8
+SUFFIX_BLOCK_KV = 32
 
 
 def merge_attention(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array):
@@ -92,20 +103,18 @@ def cascade_attention(
     interpret: bool = False,
     use_reference: bool = False,
     max_q_len: int | None = None,
-    prefix_block_q: int = 64,
+    prefix_block_q: int = PREFIX_BLOCK_Q,
     prefix_kv_splits: int | None = None,
-    suffix_block_kv: int = 32,
+    suffix_block_kv: int = SUFFIX_BLOCK_KV,
 ) -> jax.Array:
     """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
 
     Equals `paged_attention` over the full block tables (prefix blocks + suffix blocks,
     kv_lens = prefix + suffix). `max_q_len` is the suffix part's tiling hint (1 = decode);
     the prefix part always uses the prefill tiling with `prefix_block_q` rows per tile and
-    `prefix_kv_splits` key-range splits (None: the most, up to 8, that keep it within
-    about 384 programs; the defaults measured best on an H200 at 256 x 592, docs/PERF.md).
-    The suffix part steps `suffix_block_kv` keys at a time: suffixes are short (a
-    prompt's own tokens and the output), and at ~130 keys 32-key steps took 0.146 ms
-    against 0.172 ms with 64 (256 sequences, H200), the same at 232 keys.
+    `prefix_kv_splits` key-range splits (None: `prefix_splits`); the suffix part steps
+    `suffix_block_kv` keys at a time (suffixes are short: a prompt's own tokens and the
+    output).
     `use_reference` runs the same composition on `paged_attention_reference` (the XLA
     path; the tuning knobs are ignored there).
     """
@@ -120,7 +129,7 @@ def cascade_attention(
         o2, lse2 = paged_attention_reference(**suffix, **common)
     else:
         if prefix_kv_splits is None:
-            prefix_kv_splits = _prefix_splits(q, k_cache, prefix_block_q)
+            prefix_kv_splits = prefix_splits(q, k_cache, prefix_block_q)
         o1, lse1 = paged_attention(**groups, causal=False, interpret=interpret,
                                    block_q=prefix_block_q, kv_splits=prefix_kv_splits,
                                    **common)
@@ -130,17 +139,12 @@ def cascade_attention(
     return merge_attention(o1, lse1, o2, lse2)[0]
 
 
-def _prefix_splits(q, k_cache, block_q: int) -> int:
-    """Key-range splits for the prefix part: the most (up to 8) within ~384 programs.
-    (Its tiles are few and its keys many; more splits cost more partials to combine.)"""
+def prefix_splits(q, k_cache, block_q: int = PREFIX_BLOCK_Q) -> int:
+    """The prefix part's key-range splits when not given: the most (up to 8) that keep it
+    within ~384 programs."""
     t, h, _ = q.shape
-    k = k_cache.shape[1]
-    group_padded = 1 << max(0, h // k - 1).bit_length()
-    programs = -(-t // max(1, block_q // group_padded)) * k
-    splits = 1
-    while splits < 8 and programs * splits * 2 <= 384:
-        splits *= 2
-    return splits
+    return prefill_kv_splits(t, h, k_cache.shape[1], block_q, _PREFIX_TARGET_PROGRAMS,
+                             _PREFIX_MAX_SPLITS)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))

@@ -41,6 +41,20 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
+def prefill_kv_splits(num_tokens: int, num_heads: int, num_kv_heads: int, block_q: int,
+                      target_programs: int, max_splits: int) -> int:
+    """Key-range splits for the prefill tiling: the most (a power of 2, at most
+    `max_splits`) that keep ~ceil(T / tile tokens) tiles x KV heads x splits within
+    `target_programs` (ragged tile edges aside). Few tiles and many keys (one short prompt,
+    a cascade's shared prefix) want splits; more splits cost more partials to combine."""
+    tile_tokens = max(1, block_q // _next_pow2(num_heads // num_kv_heads))
+    programs = -(-num_tokens // tile_tokens) * num_kv_heads
+    splits = 1
+    while splits < max_splits and programs * splits * 2 <= target_programs:
+        splits *= 2
+    return splits
+
+
 def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
     """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
     if q.ndim != 3:
@@ -100,12 +114,9 @@ def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
                          f"({k}), with the decode tiling (max_q_len=1)")
     if kv_splits is None and decode:  # one tile per token
         kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k))))
-    elif kv_splits is None:  # ~ceil(T / tile_tokens) tiles (ragged edges aside)
-        programs = -(-t // tile_tokens) * k
-        kv_splits = 1
-        while (kv_splits < _MAX_PREFILL_SPLITS
-               and programs * kv_splits * 2 <= _PREFILL_TARGET_PROGRAMS):
-            kv_splits *= 2
+    elif kv_splits is None:
+        kv_splits = prefill_kv_splits(t, h, k, block_q, _PREFILL_TARGET_PROGRAMS,
+                                      _MAX_PREFILL_SPLITS)
     return KernelConfig(
         num_heads=h, num_kv_heads=k, num_blocks=n, block_size=b, head_dim=d, group=g,
         group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp * hp),

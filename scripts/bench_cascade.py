@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import math
 
@@ -22,7 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cascade_attention import _prefix_splits, cascade_attention
+from pallas_kernels.cascade_attention import (
+    PREFIX_BLOCK_Q,
+    SUFFIX_BLOCK_KV,
+    cascade_attention,
+    prefix_splits,
+)
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from scripts.bench_kernels import measure, rel_err  # (run with PYTHONPATH=$PWD)
 
@@ -56,15 +60,12 @@ def parts(casc, scale, interpret=False):
     q, kc, vc, layer, ptab, plen, pcu, stab, slen, cu = casc
     attn = functools.partial(paged_attention, scale=scale, return_lse=True,
                              interpret=interpret)
-    # both parts as cascade_attention runs them: its default key step for the suffix, tile
-    # size and split rule for the prefix (it also prepends an empty group: no work)
-    defaults = inspect.signature(cascade_attention).parameters
-    suffix = measure(functools.partial(attn, max_q_len=1,
-                                       block_kv=defaults["suffix_block_kv"].default),
+    # both parts as cascade_attention runs them by default (it also prepends an empty
+    # group: no work)
+    suffix = measure(functools.partial(attn, max_q_len=1, block_kv=SUFFIX_BLOCK_KV),
                      q, kc, vc, layer, stab, slen, cu)
-    block_q = defaults["prefix_block_q"].default
-    prefix = measure(functools.partial(attn, causal=False, block_q=block_q,
-                                       kv_splits=_prefix_splits(q, kc, block_q)),
+    prefix = measure(functools.partial(attn, causal=False, block_q=PREFIX_BLOCK_Q,
+                                       kv_splits=prefix_splits(q, kc)),
                      q, kc, vc, layer, ptab, plen, pcu)
     return suffix["seconds"], prefix["seconds"]
 
