@@ -199,17 +199,13 @@ def ragged_paged_attention_kernel(
     first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
 
     kvh = kvh * cfg.heads_per_tile  # the tile's first KV head
+    # rows: tokens x the tile's heads x padded group (one head but for heads_per_tile)
     r = jnp.arange(cfg.tile_rows, dtype=jnp.int32)
-    if cfg.heads_per_tile == 1:  # rows: tokens x padded group
-        tok, g = r // cfg.group_padded, r % cfg.group_padded
-        row_head = None
-        row_ok = (tok < valid) & (g < cfg.group)
-        row = (tok0 + tok) * cfg.num_heads + kvh * cfg.group + g
-    else:  # one token; rows: heads x padded group
-        tok = jnp.zeros_like(r)
-        row_head, g = r // cfg.group_padded, r % cfg.group_padded
-        row_ok = (valid > 0) & (row_head < cfg.heads_per_tile) & (g < cfg.group)
-        row = tok0 * cfg.num_heads + (kvh + row_head) * cfg.group + g
+    tok = r // (cfg.heads_per_tile * cfg.group_padded)
+    row_head = (r // cfg.group_padded) % cfg.heads_per_tile
+    g = r % cfg.group_padded
+    row_ok = (tok < valid) & (g < cfg.group)
+    row = (tok0 + tok) * cfg.num_heads + (kvh + row_head) * cfg.group + g
     row = jnp.clip(row, 0, cfg.num_rows - 1)
     cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
     if cfg.mask_q:  # rows not ok read nothing (zeros): a decode tile has 1-8 real rows of 16
