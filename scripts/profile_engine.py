@@ -130,14 +130,15 @@ def profile_decode(llm: LLM, prompts, prefix_len: int, output_len: int, warm_ste
     return summary
 
 
-def profile_single(llm: LLM, prompt, prefix_len: int, num_steps: int, keep_dir, tag) -> dict:
-    """One request, prefix cached: its first (prefill) step, then decode steps. A first,
-    untraced pass compiles the batch-1 buckets."""
-    sp = SamplingParams(temperature=0, max_tokens=num_steps + 4, ignore_eos=True)
+def _traced_request(llm: LLM, prompt, prefix_len: int, sp: SamplingParams, cached: bool,
+                    num_steps: int, keep_dir, tag) -> dict:
+    """Runs one request (its prefix cached first, or not) twice: the first pass untraced,
+    compiling its buckets; traces the second's first `num_steps` engine steps."""
     for traced in (False, True):
         llm.reset_prefix_cache()
-        llm.generate([prompt[:prefix_len] + [11]], SamplingParams(max_tokens=1),
-                     prefix_pos=prefix_len, use_tqdm=False)
+        if cached:
+            llm.generate([prompt[:prefix_len] + [11]], SamplingParams(max_tokens=1),
+                         prefix_pos=prefix_len, use_tqdm=False)
         llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
         if traced:
             summary = traced_steps(llm, num_steps, keep_dir, tag)
@@ -148,26 +149,23 @@ def profile_single(llm: LLM, prompt, prefix_len: int, num_steps: int, keep_dir, 
     return summary
 
 
+def profile_single(llm: LLM, prompt, prefix_len: int, num_steps: int, keep_dir, tag) -> dict:
+    """One request, prefix cached: its first (prefill) step, then decode steps."""
+    sp = SamplingParams(temperature=0, max_tokens=num_steps + 4, ignore_eos=True)
+    return _traced_request(llm, prompt, prefix_len, sp, True, num_steps, keep_dir, tag)
+
+
 def profile_ttft(llm: LLM, prompt, prefix_len: int, cached: bool, keep_dir, tag) -> dict:
     """The one engine step that prefills one request and returns its first token, traced
     with synchronous scheduling (so the step's window holds dispatch, device work and the
-    fetch), prefix cached or not; an untraced pass first compiles its bucket."""
+    fetch), prefix cached or not."""
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     was_async = llm.engine.args.async_scheduling
     llm.engine.args.async_scheduling = False
     try:
-        for traced in (False, True):
-            llm.reset_prefix_cache()
-            if cached:
-                llm.generate([prompt[:prefix_len] + [11]], sp, prefix_pos=prefix_len,
-                             use_tqdm=False)
-            llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
-            if traced:
-                summary = traced_steps(llm, 1, keep_dir, tag)
-            drain(llm)
+        return _traced_request(llm, prompt, prefix_len, sp, cached, 1, keep_dir, tag)
     finally:
         llm.engine.args.async_scheduling = was_async
-    return summary
 
 
 def _make_prompts(*args):
