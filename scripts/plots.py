@@ -33,20 +33,27 @@ def label(run: dict) -> str:
     return f"{run['policy']}\ncache {'on' if run['enable_prefix_caching'] else 'off'}"
 
 
-def plot_throughput(result: dict, out: Path, plt) -> Path:
-    runs = result["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    names = [label(r) for r in runs]
-    for ax, key, title in [(axes[0], "output_tokens_per_s", "output tokens / s"),
-                           (axes[1], "prefill_tokens_computed", "prefill tokens computed")]:
-        bars = ax.bar(names, [r[key] for r in runs], color="tab:blue")
-        ax.bar_label(bars, fmt="%.0f")
+def _bar_panels(names: list[str], rows: list[dict], panels: list[tuple[str, str]],
+                suptitle: str, out: Path, plt, color: str) -> Path:
+    """One bar chart per (key, title) in `panels`, side by side: rows[i][key] per name."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        ax.bar_label(ax.bar(names, [r[key] for r in rows], color=color), fmt="%.0f")
         ax.set_title(title)
-    fig.suptitle(f"{result['model']}: {result['args']['dataset']}, {runs[0]['requests']} requests")
+    fig.suptitle(suptitle)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def plot_throughput(result: dict, out: Path, plt) -> Path:
+    runs = result["runs"]
+    return _bar_panels([label(r) for r in runs], runs,
+                       [("output_tokens_per_s", "output tokens / s"),
+                        ("prefill_tokens_computed", "prefill tokens computed")],
+                       f"{result['model']}: {result['args']['dataset']}, "
+                       f"{runs[0]['requests']} requests", out, plt, "tab:blue")
 
 
 def plot_latency(result: dict, out: Path, plt) -> Path:
@@ -87,18 +94,12 @@ def plot_qps_at_bound(results: list[dict], out: Path, plt) -> Path:
 def plot_kv_memory(results: list[dict], names: list[str], out: Path, plt) -> Path:
     """Several throughput files side by side: KV blocks of the prefix cache and at peak
     (RESULTS row (c): trie vs flat per-prefix caching)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in [(axes[0], "prefix_cache_blocks", "prefix-cache KV blocks"),
-                           (axes[1], "peak_kv_blocks", "peak KV blocks in use")]:
-        bars = ax.bar(names, [r["runs"][0][key] for r in results], color="tab:purple")
-        ax.bar_label(bars, fmt="%.0f")
-        ax.set_title(title)
-    fig.suptitle(f"{results[0]['model']}: KV memory, {results[0]['runs'][0]['requests']} "
-                 "requests each")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _bar_panels(names, [r["runs"][0] for r in results],
+                       [("prefix_cache_blocks", "prefix-cache KV blocks"),
+                        ("peak_kv_blocks", "peak KV blocks in use")],
+                       f"{results[0]['model']}: KV memory, "
+                       f"{results[0]['runs'][0]['requests']} requests each", out, plt,
+                       "tab:purple")
 
 
 def plot_engine(result: dict, out: Path, plt) -> Path:
