@@ -124,22 +124,35 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Runs once per running sequence per step, so the common row (its tokens fit the
+        # blocks it holds) is committed inline, without `_commit`'s calls.
         running, block_size = SequenceStatus.RUNNING, self.block_size
-        for seq in list(self.running.values()):  # (runs per row per step: kept lean)
+        caching, append = self.config.enable_prefix_caching, out.scheduled.append
+        for seq in list(self.running.values()):
             if budget == 0:
                 break
             if seq.status is not running:  # preempted earlier this step
                 continue
-            scheduled_tokens = seq.num_scheduled_tokens
-            remaining = scheduled_tokens - seq.num_computed_tokens
+            start, tokens = seq.num_computed_tokens, seq.all_token_ids
+            scheduled_tokens = len(tokens) + seq.num_pending
+            remaining = scheduled_tokens - start
             if remaining == 0 or scheduled_tokens >= seq.token_limit:
                 continue  # its pending token is its last, or the step before it runs
-            n = min(remaining, budget)
-            if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
-                n = self._reserve_running(seq, n, out)  # needs blocks: may preempt
-            if n:
-                out.scheduled.append(self._commit(seq, n))
-                budget -= n
+            n = remaining if remaining < budget else budget
+            end = start + n
+            if end > len(seq.block_table) * block_size:  # needs blocks: may preempt
+                n = self._reserve_running(seq, n, out)
+                if n:
+                    append(self._commit(seq, n))
+                    budget -= n
+                continue
+            if caching and end // block_size > seq.num_registered_blocks:
+                self._register(seq, end)
+            sample = end == scheduled_tokens
+            seq.num_computed_tokens = end
+            seq.num_pending += sample
+            append(ScheduledSeq(seq, start, n, sample))
+            budget -= n
         return budget
 
     def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
@@ -208,13 +221,18 @@ class Scheduler:
             table.extend(self.block_manager.allocate(self.block_manager.blocks_for(end)
                                                      - len(table)))
         if self.config.enable_prefix_caching:
-            shareable = self._shareable_blocks(seq)
-            if min(end // self.block_size, shareable) > seq.num_registered_blocks:
-                self.prefix_pool.register_blocks(seq, end, shareable)
+            self._register(seq, end)
         sample = end == seq.num_scheduled_tokens
         seq.num_computed_tokens = end
         seq.num_pending += sample
         return ScheduledSeq(seq, start, n, sample)
+
+    def _register(self, seq: Sequence, end: int) -> None:
+        """Inserts into the trie the shareable blocks of seq that its first `end` tokens
+        fill (computed by now, or in this step) and whose tokens are known."""
+        shareable = self._shareable_blocks(seq)
+        if min(end // self.block_size, shareable) > seq.num_registered_blocks:
+            self.prefix_pool.register_blocks(seq, end, shareable)
 
     def _tokens_that_fit(self, seq: Sequence, n: int) -> int:
         capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size

@@ -8,6 +8,8 @@
 #   engine    bench_engine.py: cache + cascade vs cache off, TTFT (issues 4, 6) ~4 min
 #   engine_cascade  bench_engine.py --compare-cascade --skip-off               ~3 min
 #   profile   profile_engine.py async+cascade: decode step, batch-1, TTFT step ~3 min
+#             ($PROFILE_ARGS, e.g. --top-kernels 60)
+#   launch    probe_launch.py: host cost of one kernel launch, XLA vs torch eager/graph
 #   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
@@ -50,8 +52,9 @@ job_engine_cascade() {
 }
 job_profile() {
   run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
-    --output-json "$OUT/profile.json"
+    ${PROFILE_ARGS:-} --output-json "$OUT/profile.json"
 }
+job_launch() { run launch 120 python3 scripts/probe_launch.py --output-json "$OUT/launch.json"; }
 job_host() {
   local flag i
   echo "== host ($(date +%T))"

@@ -75,6 +75,11 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         if e["ts"] >= last_end:  # outermost of the nested dispatch events
             host_dispatch.append(e["dur"])
             last_end = e["ts"] + e["dur"]
+    # host-side CUDA API calls (the launches XLA makes on its thread), by name
+    api: dict[str, list[float]] = collections.defaultdict(list)
+    for e in spans:
+        if e["pid"] not in devices and lo <= e["ts"] <= hi and e["name"].startswith("cu"):
+            api[e["name"]].append(e["dur"])
     n = len(steps)
     return dict(
         steps=n,
@@ -87,7 +92,12 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         jit_dispatch_ms=[round(d / 1e3, 3) for d in host_dispatch],
         top_kernels=[dict(name=k[:120], calls_per_step=len(v) / n,
                           ms_per_step=sum(v) / 1e3 / n) for k, v in ranked[:top]],
+        host_api=[dict(name=k, calls_per_step=len(v) / n, ms_per_step=sum(v) / 1e3 / n)
+                  for k, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:8]],
     )
+
+
+TOP_KERNELS = 15  # kernels listed per traced config (--top-kernels)
 
 
 def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> dict:
@@ -98,7 +108,7 @@ def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> di
             llm.engine.step()
     jax.block_until_ready(llm.engine.runner.kv_cache)
     jax.profiler.stop_trace()
-    summary = summarize(load_trace(trace_dir))
+    summary = summarize(load_trace(trace_dir), TOP_KERNELS)
     if keep_dir:
         src = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*",
                                      "perfetto_trace.json.gz"))[0]
@@ -197,7 +207,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--top-kernels", type=int, default=TOP_KERNELS,
+                    help="kernels listed per config, by device time")
     args = ap.parse_args(argv)
+    global TOP_KERNELS
+    TOP_KERNELS = args.top_kernels
 
     model = load(args.model, dtype=args.dtype, load_format="dummy")
     llm = LLM(model=model, num_kv_blocks=args.num_kv_blocks)
