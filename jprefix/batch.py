@@ -7,8 +7,10 @@ the reserved null block 0 and padding sequences have q_len = kv_len = 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -165,13 +167,15 @@ def ragged_rows(rows: Seq[np.ndarray], num_rows: int, min_width: int,
 
 class PackCache:
     """What consecutive steps' packing can reuse (a runner keeps one): the block-table
-    matrices (`RowsCache`, the step's and the cascade's suffix tables) and the per-row
-    sampling constants of the last step's sequence list."""
+    matrices (`RowsCache`, the step's and the cascade's suffix tables), the per-row
+    sampling constants of the last step's sequence list, and the last step's packed
+    buffers when it decoded one token per row (`repack_decode` advances them)."""
 
     def __init__(self):
         self.tables, self.suffix_tables = RowsCache(), RowsCache()
         self.seqs: list = []
         self.constants: np.ndarray | None = None
+        self.decode: DecodeStep | None = None
 
 
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array
@@ -185,3 +189,119 @@ def flatten_batch(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray,
     floats = [v.ravel() for v in batch.values() if v.dtype == np.float32]
     return np.concatenate(ints), np.concatenate(floats), layout
 
+
+
+class PackedStep(NamedTuple):
+    """A packed step: the two flat buffers the device receives, their layout, and the
+    step's arrays by name (views into the buffers, or the arrays they were built from)."""
+
+    ints: np.ndarray
+    floats: np.ndarray
+    layout: Layout
+    arrays: dict[str, np.ndarray]
+
+
+def pack_flat(batch: dict[str, np.ndarray]) -> PackedStep:
+    return PackedStep(*flatten_batch(batch), batch)
+
+
+def flat_views(ints: np.ndarray, floats: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
+    """The arrays of a `flatten_batch` result as views into its two buffers."""
+    out, offsets = {}, {"int": 0, "float32": 0}
+    for name, shape, dtype in layout:
+        kind = "float32" if dtype == "float32" else "int"
+        start, size = offsets[kind], math.prod(shape)
+        flat = (floats if kind == "float32" else ints)[start : start + size]
+        out[name] = flat.view(dtype).reshape(shape)
+        offsets[kind] = start + size
+    return out
+
+
+@dataclass
+class DecodeStep:
+    """A packed step whose rows each decoded one token: its sequences (in row order),
+    cascade plan, their token lists, and its packed buffers."""
+
+    seqs: tuple
+    plan: Any
+    token_lists: list[list[int]]
+    packed: PackedStep
+
+
+def remember_decode(cache: PackCache, scheduled: Seq, plan: Any, packed: PackedStep) -> None:
+    """Keeps a freshly packed step for `repack_decode` when each row decoded one token."""
+    n = len(scheduled)
+    if n and int(packed.arrays["cu_q_lens"][n]) == n:
+        seqs = tuple(sc.seq for sc in scheduled)
+        cache.decode = DecodeStep(seqs, plan, [s.all_token_ids for s in seqs], packed)
+    else:
+        cache.decode = None
+
+
+def repack_decode(scheduled: Seq, plan: Any, block_size: int, cache: PackCache
+                  ) -> PackedStep | None:
+    """The steady state of a decode batch, packed without a pass per row over the batch:
+    when this step decodes one token of each of the same sequences, in the same order and
+    under the same cascade plan (`plan.prefix_blocks`, or None), as the last packed step
+    (which did the same), its buffers are the last step's advanced to the new positions,
+    with only the block-table rows that changed rewritten. Equals `pack_step` (+
+    `pack_cascade`) array for array; None when the step is not such a step, or a table
+    outgrew its bucket (pack afresh then)."""
+    last = cache.decode
+    n = len(scheduled)
+    if (last is None or last.plan is not plan or n != len(last.seqs)
+            or n != len(cache.tables.rows)):
+        return None
+    seqs, start_list, q_list, _ = zip(*scheduled, strict=True)
+    if seqs != last.seqs or q_list.count(1) != n:  # (tuple == compares identities first)
+        return None
+    starts = np.array(start_list, np.int32)
+    num_known = np.fromiter(map(len, last.token_lists), np.int64, n)
+    if not (starts <= num_known).all():  # more than one pending token: pack_step raises
+        return None
+    tables = [s.block_table_array() for s in seqs]
+    changed = [i for i, (t, old) in enumerate(zip(tables, cache.tables.rows, strict=True))
+               if t is not old]
+    ints = last.packed.ints.copy()
+    a = flat_views(ints, last.packed.floats, last.packed.layout)
+    bt = a["block_tables"]
+    suffix = None
+    if plan is not None:
+        prefix_blocks = plan.prefix_blocks
+        suffix = {i: seqs[i].block_table_suffix(prefix_blocks[i]) for i in changed}
+        if any(len(r) > a["suffix_block_tables"].shape[1] for r in suffix.values()):
+            return None
+    if any(len(tables[i]) > bt.shape[1] for i in changed):
+        return None
+    for i in changed:
+        bt[i] = 0
+        bt[i, : len(tables[i])] = tables[i]
+    cache.tables.rows, cache.tables.table = tables, bt
+
+    pos = a["positions"]
+    delta = starts - pos[:n]
+    pos[:n] = starts
+    a["kv_lens"][:n] = starts + 1
+    a["counters"][:n] += delta
+    a["slot_mapping"][:n] = (bt[np.arange(n), starts // block_size] * block_size
+                             + starts % block_size)
+    known = starts < num_known
+    ids, src = a["token_ids"], a["token_src"]
+    ids[:n], src[:n] = 0, -1
+    for i in np.flatnonzero(known).tolist():
+        ids[i] = last.token_lists[i][start_list[i]]
+    pending = np.flatnonzero(~known).tolist()
+    if pending:
+        src[pending] = [seqs[i].pending_row for i in pending]
+    if suffix is not None:
+        st = a["suffix_block_tables"]
+        rows = list(cache.suffix_tables.rows)
+        for i, row in suffix.items():
+            st[i] = 0
+            st[i, : len(row)] = row
+            rows[i] = row
+        cache.suffix_tables.rows, cache.suffix_tables.table = rows, st
+        a["suffix_kv_lens"][:n] += delta
+    packed = PackedStep(ints, last.packed.floats, last.packed.layout, a)
+    last.packed = packed
+    return packed

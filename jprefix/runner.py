@@ -21,7 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jprefix.batch import BucketConfig, Layout, PackCache, bucket, flatten_batch, pack_step
+from jprefix.batch import (
+    BucketConfig,
+    Layout,
+    PackCache,
+    PackedStep,
+    bucket,
+    pack_flat,
+    pack_step,
+    remember_decode,
+    repack_decode,
+)
 from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.parallel import kv_sharding, per_shard, shard_params
 from jprefix.sampling import sample
@@ -148,16 +158,22 @@ def auto_num_blocks(
 
 def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
               buckets: BucketConfig, cache: PackCache | None = None
-              ) -> tuple[list, dict[str, np.ndarray]]:
-    """A step's rows in device order (a cascade plan's groups first) and their arrays;
-    `cache` carries what the next step may reuse (`jprefix.batch.PackCache`)."""
+              ) -> tuple[list, PackedStep]:
+    """A step's rows in device order (a cascade plan's groups first) and their packed
+    buffers; `cache` carries what the next step may reuse (`jprefix.batch.PackCache`),
+    including a steady decode batch's last buffers (`jprefix.batch.repack_decode`)."""
     if plan is not None:
         scheduled = [scheduled[i] for i in plan.order]
+    if cache is not None and (packed := repack_decode(scheduled, plan, block_size, cache)):
+        return list(scheduled), packed
     batch = pack_step(scheduled, block_size, buckets, cache)
     if plan is not None:
         batch |= pack_cascade(scheduled, plan, block_size, len(batch["kv_lens"]),
                               buckets.min_blocks, None if cache is None else cache.suffix_tables)
-    return list(scheduled), batch
+    packed = pack_flat(batch)
+    if cache is not None:
+        remember_decode(cache, scheduled, plan, packed)
+    return list(scheduled), packed
 
 
 def record_pending_rows(rows: Seq) -> None:
@@ -249,8 +265,8 @@ class ModelRunner:
         output. Records each sampling row's output row in `seq.pending_row`.
         """
         t0 = time.perf_counter()
-        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets,
-                                     self._pack_cache)
+        scheduled, (ints, floats, layout, batch) = pack_rows(
+            scheduled, plan, self.block_size, self.buckets, self._pack_cache)
         decode = int(batch["cu_q_lens"][len(scheduled)]) == len(scheduled)  # 1 token each
         greedy = not batch["temperature"].any()
         self.shapes_seen.add(
@@ -258,7 +274,6 @@ class ModelRunner:
         )
         if len(batch["kv_lens"]) > self.max_rows:
             raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
-        ints, floats, layout = flatten_batch(batch)
 
         def launch() -> jax.Array:  # on the worker thread, in dispatch order
             if self._failed is not None:  # its cache and tokens are gone: fail fast

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from jprefix.batch import BucketConfig, PackCache, flatten_batch
+from jprefix.batch import BucketConfig, PackCache
 from jprefix.engine import EngineArgs, LLMEngine
 from jprefix.runner import StepHandle, pack_rows, record_pending_rows
 from jprefix.sampling_params import SamplingParams
@@ -33,9 +33,8 @@ class PackingStub:
         self.pack_cache = PackCache()
 
     def dispatch(self, scheduled, plan=None) -> StepHandle:
-        scheduled, batch = pack_rows(scheduled, plan, self.block_size, self.buckets,
-                                     self.pack_cache)
-        flatten_batch(batch)
+        scheduled, _ = pack_rows(scheduled, plan, self.block_size, self.buckets,
+                                 self.pack_cache)
         record_pending_rows(scheduled)
         return StepHandle(None, len(scheduled), None if plan is None else plan.order)
 

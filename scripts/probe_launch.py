@@ -29,24 +29,41 @@ def _timed(call, sync, reps: int) -> tuple[float, float]:
 
 
 def probe_xla(n: int, reps: int) -> dict:
+    """Issue and whole time per kernel of jitted chains of n kernels of one kind each:
+    an elementwise fusion, a matmul (cuBLAS), a Pallas (Triton) kernel."""
     import jax
     import jax.numpy as jnp
+    from jax.experimental import pallas as pl
 
-    def chain(x):
-        for _ in range(n):  # the barrier keeps each sin a kernel of its own
-            x = jax.lax.optimization_barrier(jnp.sin(x))
-        return x
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
 
-    f = jax.jit(chain)
-    x = jnp.ones(256, jnp.float32)
-    out = {}
+    def pallas_add(x):
+        return pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=jax.default_backend() != "gpu")(x)
 
-    def call():
-        out["y"] = f(x)
+    w = jnp.eye(256, dtype=jnp.bfloat16)
+    kinds = {"elementwise": (jnp.sin, jnp.ones(256, jnp.float32)),
+             "matmul": (lambda x: x @ w, jnp.ones((256, 256), jnp.bfloat16)),
+             "pallas": (pallas_add, jnp.ones(256, jnp.float32))}
+    result = {}
+    for kind, (op, x) in kinds.items():
+        count = n if kind != "pallas" or jax.default_backend() == "gpu" else 4
 
-    issue, whole = _timed(call, lambda: out["y"].block_until_ready(), reps)
-    return dict(kernels=n, issue_us_per_kernel=issue / n * 1e6,
-                whole_us_per_kernel=whole / n * 1e6)
+        def chain(x, op=op, count=count):
+            for _ in range(count):  # the barrier keeps each op a kernel of its own
+                x = jax.lax.optimization_barrier(op(x))
+            return x
+
+        f, out = jax.jit(chain), {}
+
+        def call(f=f, x=x, out=out):
+            out["y"] = f(x)
+
+        issue, whole = _timed(call, lambda out=out: out["y"].block_until_ready(), reps)
+        result[kind] = dict(kernels=count, issue_us_per_kernel=issue / count * 1e6,
+                            whole_us_per_kernel=whole / count * 1e6)
+    return result
 
 
 def probe_torch(n: int, reps: int) -> dict | None:

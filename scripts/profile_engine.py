@@ -193,6 +193,7 @@ def _make_prompts(*args):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    global TOP_KERNELS
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -210,7 +211,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top-kernels", type=int, default=TOP_KERNELS,
                     help="kernels listed per config, by device time")
     args = ap.parse_args(argv)
-    global TOP_KERNELS
     TOP_KERNELS = args.top_kernels
 
     model = load(args.model, dtype=args.dtype, load_format="dummy")

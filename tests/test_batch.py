@@ -139,3 +139,56 @@ def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
         b = pack_cascade(rows, plan, B, S, 4, cache.suffix_tables)
         for k in a:
             np.testing.assert_array_equal(b[k], a[k], err_msg=f"step {step}: cascade {k}")
+
+
+def test_steady_decode_repacking_equals_packing_afresh():
+    """Decode steps of the same rows (tokens known or pending on the device, tables
+    growing past their bucket, with and without a cascade plan) are repacked from the last
+    step's buffers; between them rows are replaced, dropped, reordered and prefilled. The
+    runner's packing with its cache equals packing from scratch, buffer for buffer."""
+    from jprefix.batch import PackCache
+    from jprefix.cascade import CascadePlan
+    from jprefix.runner import pack_rows
+
+    rng = np.random.default_rng(11)
+    seqs = []
+    for i in range(10):
+        seq = Sequence(f"r{i}", rng.integers(3, 99, 14).tolist(), SamplingParams(
+            temperature=float(rng.random()), top_k=int(rng.integers(1, 9)), seed=i))
+        seq.block_table = rng.integers(1, 500, 4).tolist()
+        seqs.append(seq)
+    cache, plan, repacked, last_decode = PackCache(), None, 0, None
+    for step in range(120):
+        pending = bool(rng.random() < 0.6)  # async: the row's newest token is on the device
+        for row, seq in enumerate(seqs):
+            seq.append_token(int(rng.integers(3, 99)))
+            seq.pending_row = row + 1
+            if len(seq.block_table) * B <= seq.num_tokens:
+                seq.block_table.append(int(rng.integers(1, 500)))  # grows in place
+        change = rng.integers(0, 12)
+        victim = seqs[int(rng.integers(len(seqs)))]
+        if change == 1:  # replaced (as after preemption and a new prefix match)
+            victim.block_table = rng.integers(1, 500, -(-victim.num_tokens // B) + 1).tolist()
+        elif change == 2 and len(seqs) > 3:
+            seqs.remove(victim)  # finished
+        elif change == 3:
+            rng.shuffle(seqs)
+        if change in (2, 3, 4) or plan is not None and len(plan.order) != len(seqs):
+            plan = None if rng.random() < 0.4 else CascadePlan(
+                list(range(len(seqs)))[::-1], [3] * 3 + [0] * (len(seqs) - 3), [3])
+        if change == 5:  # a prefill chunk in between: not a decode step
+            rows = [ScheduledSeq(s, s.num_tokens - 3, 3, True) for s in seqs]
+            plan = None
+        else:
+            rows = [ScheduledSeq(s, s.num_tokens - (not pending), 1, True) for s in seqs]
+        fresh = pack_rows(rows, plan, B, BucketConfig())[1]
+        cached = pack_rows(rows, plan, B, BucketConfig(), cache)[1]
+        assert cached.layout == fresh.layout, f"step {step}"
+        for k in fresh.arrays:
+            np.testing.assert_array_equal(cached.arrays[k], fresh.arrays[k],
+                                          err_msg=f"step {step}: {k}")
+        np.testing.assert_array_equal(cached.ints, fresh.ints)
+        np.testing.assert_array_equal(cached.floats, fresh.floats)
+        repacked += cache.decode is not None and cache.decode is last_decode
+        last_decode = cache.decode
+    assert repacked >= 40  # the steady path ran, and not only a few times
