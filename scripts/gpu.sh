@@ -54,7 +54,13 @@ job_profile() {
   run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
     ${PROFILE_ARGS:-} --output-json "$OUT/profile.json"
 }
-job_launch() { run launch 120 python3 scripts/probe_launch.py --output-json "$OUT/launch.json"; }
+job_launch() {  # as the engine runs XLA, then with $LAUNCH_XLA_FLAGS added
+  run launch 120 python3 scripts/probe_launch.py --output-json "$OUT/launch.json"
+  if [ -n "${LAUNCH_XLA_FLAGS:-}" ]; then
+    XLA_FLAGS="${XLA_FLAGS:-} $LAUNCH_XLA_FLAGS" run launch_flags 120 python3 \
+      scripts/probe_launch.py --output-json "$OUT/launch_flags.json"
+  fi
+}
 job_host() {
   local flag i
   echo "== host ($(date +%T))"

@@ -4,14 +4,20 @@ a replayed CUDA graph of the same chain. The engine's steps launch ~430-580 kern
 this per-launch cost bounds a step from below whatever the device does.
 
     PYTHONPATH=$PWD python scripts/probe_launch.py [--kernels 500]
+
+XLA runs as jprefix sets it up (command buffers off); JPREFIX_XLA_COMMAND_BUFFERS=1 keeps
+XLA's default, and XLA_FLAGS passes other settings (e.g. --xla_gpu_cublas_fallback=false).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+
+import jprefix  # noqa: F401  (sets XLA's flags as the engine runs them, before jax starts)
 
 
 def _timed(call, sync, reps: int) -> tuple[float, float]:
@@ -43,12 +49,15 @@ def probe_xla(n: int, reps: int) -> dict:
                               interpret=jax.default_backend() != "gpu")(x)
 
     w = jnp.eye(256, dtype=jnp.bfloat16)
+    big = jnp.eye(4096, dtype=jnp.bfloat16)  # a Llama-2-7B-sized projection
     kinds = {"elementwise": (jnp.sin, jnp.ones(256, jnp.float32)),
              "matmul": (lambda x: x @ w, jnp.ones((256, 256), jnp.bfloat16)),
+             "matmul 256x4096x4096": (lambda x: x @ big, jnp.ones((256, 4096), jnp.bfloat16)),
+             "matmul 104x4096x4096": (lambda x: x @ big, jnp.ones((104, 4096), jnp.bfloat16)),
              "pallas": (pallas_add, jnp.ones(256, jnp.float32))}
     result = {}
     for kind, (op, x) in kinds.items():
-        count = n if kind != "pallas" or jax.default_backend() == "gpu" else 4
+        count = n if jax.default_backend() == "gpu" else 4
 
         def chain(x, op=op, count=count):
             for _ in range(count):  # the barrier keeps each op a kernel of its own
@@ -102,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
-    result = dict(xla=probe_xla(args.kernels, args.reps),
+    result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  xla=probe_xla(args.kernels, args.reps),
                   torch=probe_torch(args.kernels, args.reps))
     print(json.dumps(result, indent=1))
     if args.output_json:

@@ -17,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -75,11 +76,12 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         if e["ts"] >= last_end:  # outermost of the nested dispatch events
             host_dispatch.append(e["dur"])
             last_end = e["ts"] + e["dur"]
-    # host-side CUDA API calls (the launches XLA makes on its thread), by name
+    # host-side events (XLA's thunks on the launching thread, CUDA API calls), by name
+    # with instance numbers dropped (custom-call.32 -> custom-call)
     api: dict[str, list[float]] = collections.defaultdict(list)
     for e in spans:
-        if e["pid"] not in devices and lo <= e["ts"] <= hi and e["name"].startswith("cu"):
-            api[e["name"]].append(e["dur"])
+        if e["pid"] not in devices and lo <= e["ts"] <= hi:
+            api[re.sub(r"([._]\d+)+(_remat\d*)?$", "", e["name"])[:80]].append(e["dur"])
     n = len(steps)
     return dict(
         steps=n,
@@ -92,8 +94,8 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         jit_dispatch_ms=[round(d / 1e3, 3) for d in host_dispatch],
         top_kernels=[dict(name=k[:120], calls_per_step=len(v) / n,
                           ms_per_step=sum(v) / 1e3 / n) for k, v in ranked[:top]],
-        host_api=[dict(name=k, calls_per_step=len(v) / n, ms_per_step=sum(v) / 1e3 / n)
-                  for k, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:8]],
+        host_events=[dict(name=k, calls_per_step=len(v) / n, ms_per_step=sum(v) / 1e3 / n)
+                     for k, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:25]],
     )
 
 
