@@ -146,7 +146,9 @@ class Scheduler:
                     append(self._commit(seq, n))
                     budget -= n
                 continue
-            if caching and end // block_size > seq.num_registered_blocks:
+            if caching and end // block_size > seq.num_registered_blocks and (
+                    seq.prefix_len is None  # (an explicit prefix registers only its blocks)
+                    or seq.prefix_len >= (seq.num_registered_blocks + 1) * block_size):
                 self._register(seq, end)
             sample = end == scheduled_tokens
             seq.num_computed_tokens = end

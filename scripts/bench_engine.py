@@ -62,6 +62,9 @@ def run_throughput(llm: LLM, prompts, prefix_len, output_len: int) -> dict:
         full_batch_step_ms=1e3 * statistics.median([s[3] for s in decode]) if decode else None,
         host_share_full_batch=host_share,
         prefill_tokens=sum(s[1] for s in stats) - sum(s[0] for s in stats if s[1] == s[0]),
+        # the steps that are not full-batch decodes: rows, tokens, period ms, host ms
+        other_steps=[(s[0], s[1], round(s[3] * 1e3, 2), round(s[2] * 1e3, 2))
+                     for s in stats if s[1] != s[0] or s[0] < len(prompts) * 0.9],
     )
 
 

@@ -104,7 +104,9 @@ TOP_KERNELS = 15  # kernels listed per traced config (--top-kernels)
 
 def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> dict:
     trace_dir = tempfile.mkdtemp(prefix="jprefix-trace-")
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # XLA's and the annotated host events, not every call
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
     for _ in range(num_steps):
         with jax.profiler.TraceAnnotation(STEP_MARK):
             llm.engine.step()
@@ -122,6 +124,19 @@ def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> di
 def drain(llm: LLM) -> None:
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
+
+
+def profile_prefill(llm: LLM, prompts, prefix_len: int, output_len: int, num_steps: int,
+                    keep_dir: str | None, tag: str) -> dict:
+    """The first steps of the throughput workload: the shared prefix and every prompt's
+    own tokens, in chunks of the token budget (with the first decodes)."""
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.reset_prefix_cache()
+    for p in prompts:
+        llm.engine.add_sequence(llm.engine.make_sequence(p, sp, prefix_len))
+    summary = traced_steps(llm, num_steps, keep_dir, tag)
+    drain(llm)
+    return summary
 
 
 def profile_decode(llm: LLM, prompts, prefix_len: int, output_len: int, warm_steps: int,
@@ -210,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--prefill-steps", type=int, default=5,
+                    help="traced first steps of the throughput workload (its prefill)")
     ap.add_argument("--top-kernels", type=int, default=TOP_KERNELS,
                     help="kernels listed per config, by device time")
     args = ap.parse_args(argv)
@@ -233,13 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
         decode = profile_decode(llm, prompts, args.prefix_len, args.output_len,
                                 args.warm_steps, args.trace_steps, args.keep_traces,
                                 f"decode-{config}")
+        prefill = profile_prefill(llm, prompts, args.prefix_len, args.output_len,
+                                  args.prefill_steps, args.keep_traces, f"prefill-{config}")
         single = profile_single(llm, prompts[0], args.prefix_len, args.trace_steps,
                                 args.keep_traces, f"single-{config}")
         ttft = {f"ttft_{kind}": profile_ttft(llm, prompts[0], args.prefix_len,
                                              kind == "cached", args.keep_traces,
                                              f"ttft-{kind}-{config}")
                 for kind in ("cached", "uncached")}
-        result["configs"][config] = dict(decode=decode, single=single, **ttft,
+        result["configs"][config] = dict(decode=decode, prefill=prefill, single=single, **ttft,
                                          wall_s=time.perf_counter() - t)
         print(f"== {config}", json.dumps(result["configs"][config], indent=1), flush=True)
     if args.output_json:

@@ -167,6 +167,8 @@ def test_bench_engine_smoke(tmp_path):
     for run in (on, nc, off):
         assert run["output_tok_s"] > 0 and run["steps"] >= 3
     assert on["prefill_tokens"] < off["prefill_tokens"]  # the shared prefix once
+    # the steps besides full-batch decodes carry the prefill: their tokens add up
+    assert sum(t for rows, t, *_ in on["other_steps"] if t != rows) == on["prefill_tokens"]
     assert on["peak_used_blocks"] < off["peak_used_blocks"]
     assert r["ttft_ms_on_cached"] > 0 and r["ttft_ms_off"] > 0
     if importlib.util.find_spec("matplotlib") is not None:  # its chart
@@ -186,6 +188,7 @@ def test_profile_engine_smoke(tmp_path):
             summary = config[part]
             assert summary["steps"] == 3 and len(summary["engine_step_call_ms"]) == 3
             assert summary["per_step_ms"] > 0 and 0 <= summary["device_idle_share"] <= 1
+        assert config["prefill"]["steps"] == 5  # the workload's first steps
         for part in ("ttft_cached", "ttft_uncached"):  # one synchronous prefill step
             assert config[part]["steps"] == 1 and config[part]["per_step_ms"] > 0
 
