@@ -21,6 +21,16 @@ def _sched(tokens, blocks, start, n, out=()):
 
 def test_bucket_is_next_power_of_two():
     assert [bucket(n, 8) for n in (1, 8, 9, 16, 17, 300)] == [8, 8, 16, 16, 32, 512]
+    # past the step, multiples of it (a big prefill step pads at most step - 1 tokens)
+    assert [bucket(n, 16, 512) for n in (300, 512, 513, 700, 4099, 8192)] == [
+        512, 512, 1024, 1024, 4608, 8192]
+
+
+def test_big_steps_pad_tokens_to_a_multiple_of_the_token_step():
+    rows = [_sched(range(3, 3 + 1100), range(1, 300), 0, 1100)]
+    b = pack_step(rows, B, BucketConfig())
+    assert len(b["token_ids"]) == 1536 and b["cu_q_lens"][-1] == 1100
+    assert len(pack_step(rows, B, BucketConfig(token_step=None))["token_ids"]) == 2048
 
 
 def test_pack_places_every_token_at_its_slot():
