@@ -39,14 +39,18 @@ from models.config import ModelConfig
 from models.llama import compute_logits, forward, fuse_projections, unstack_layers
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    mixed_paged_attention,
+    paged_attention,
+    paged_attention_reference,
+)
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
 
 
 class StepHandle(NamedTuple):
     """A dispatched step: its launch (resolving to the device output), live rows, and
-    the cascade row order."""
+    the device's row order (`pack_rows`)."""
 
     tokens: concurrent.futures.Future
     num_rows: int
@@ -71,7 +75,11 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
         return paged_attention_reference(*args, scale=scale)
-    return paged_attention(*args, scale=scale, interpret=backend == "pallas-interpret",
+    interpret = backend == "pallas-interpret"
+    if "num_decode" in batch:  # a mixed step, its one-token rows first (`pack_rows`)
+        return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
+                                     interpret=interpret)
+    return paged_attention(*args, scale=scale, interpret=interpret,
                            max_q_len=1 if decode else None)
 
 
@@ -158,22 +166,37 @@ def auto_num_blocks(
 
 def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
               buckets: BucketConfig, cache: PackCache | None = None
-              ) -> tuple[list, PackedStep]:
-    """A step's rows in device order (a cascade plan's groups first) and their packed
-    buffers; `cache` carries what the next step may reuse (`jprefix.batch.PackCache`),
-    including a steady decode batch's last buffers (`jprefix.batch.repack_decode`)."""
-    if plan is not None:
-        scheduled = [scheduled[i] for i in plan.order]
+              ) -> tuple[list, PackedStep, list[int] | None]:
+    """A step's rows in device order, their packed buffers, and that order (indices into
+    `scheduled`; None when unchanged). A cascade plan puts its groups first; a step that
+    mixes one-token rows with longer ones puts the one-token rows first and records
+    their count (`num_decode`), so attention runs them with the decode tiling
+    (`mixed_paged_attention`). `cache` carries what the next step may reuse
+    (`jprefix.batch.PackCache`), including a steady decode batch's last buffers
+    (`jprefix.batch.repack_decode`)."""
+    order = plan.order if plan is not None else None
+    if order is not None:
+        scheduled = [scheduled[i] for i in order]
     if cache is not None and (packed := repack_decode(scheduled, plan, block_size, cache)):
-        return list(scheduled), packed
+        return list(scheduled), packed, order
+    num_decode = 0
+    if plan is None:
+        ones = [i for i, sc in enumerate(scheduled) if sc.num_new_tokens == 1]
+        if ones and len(ones) < len(scheduled):
+            num_decode = len(ones)
+            taken = set(ones)
+            order = ones + [i for i in range(len(scheduled)) if i not in taken]
+            scheduled = [scheduled[i] for i in order]
     batch = pack_step(scheduled, block_size, buckets, cache)
     if plan is not None:
         batch |= pack_cascade(scheduled, plan, block_size, len(batch["kv_lens"]),
                               buckets.min_blocks, None if cache is None else cache.suffix_tables)
+    if num_decode:
+        batch["num_decode"] = np.array([num_decode], np.int32)
     packed = pack_flat(batch)
     if cache is not None:
         remember_decode(cache, scheduled, plan, packed)
-    return list(scheduled), packed
+    return list(scheduled), packed, order
 
 
 def record_pending_rows(rows: Seq) -> None:
@@ -265,13 +288,12 @@ class ModelRunner:
         output. Records each sampling row's output row in `seq.pending_row`.
         """
         t0 = time.perf_counter()
-        scheduled, (ints, floats, layout, batch) = pack_rows(
+        scheduled, (ints, floats, layout, batch), order = pack_rows(
             scheduled, plan, self.block_size, self.buckets, self._pack_cache)
         decode = int(batch["cu_q_lens"][len(scheduled)]) == len(scheduled)  # 1 token each
         greedy = not batch["temperature"].any()
-        self.shapes_seen.add(
-            (len(batch["token_ids"]), *batch["block_tables"].shape, decode, plan is not None)
-        )
+        self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape, decode,
+                              plan is not None, "num_decode" in batch))
         if len(batch["kv_lens"]) > self.max_rows:
             raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
 
@@ -294,8 +316,7 @@ class ModelRunner:
         self._last_launch = self._launcher.submit(launch)
         record_pending_rows(scheduled)
         self.last_timing = (time.perf_counter() - t0, 0.0)
-        return StepHandle(self._last_launch, len(scheduled),
-                          None if plan is None else plan.order)
+        return StepHandle(self._last_launch, len(scheduled), order)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         """Waits for a dispatched step; returns the sampled token of every scheduled

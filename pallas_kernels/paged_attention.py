@@ -203,6 +203,43 @@ def paged_attention(
     return out.reshape(t, h, d)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "interpret"))
+def mixed_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array,  # int32 scalar
+    block_tables: jax.Array,  # [S, M] int32
+    kv_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    num_decode: jax.Array,  # int32 scalar
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """`paged_attention` of a batch whose first `num_decode` sequences have one query
+    row each (rows `0:num_decode`), as a step mixing decodes with prefill chunks does:
+    those rows run with the decode tiling, the other sequences with the prefill tiling.
+    With one tiling for all, each decode row would take a prefill tile of its own per
+    KV head (block_q rows for one real row) that still steps through all its keys.
+    Returns [T, H, D]; the same function as `paged_attention` on the same inputs."""
+    t = q.shape[0]
+    num_seqs = kv_lens.shape[0]
+    decoding = jnp.arange(num_seqs) < num_decode
+    rows = min(t, num_seqs)  # the decode rows come first: 0:num_decode within 0:S
+    out_decode = paged_attention(  # later sequences: no rows, no keys
+        q[:rows], k_cache, v_cache, layer, block_tables, jnp.where(decoding, kv_lens, 0),
+        jnp.minimum(cu_q_lens, num_decode), scale=scale, soft_cap=soft_cap,
+        interpret=interpret, max_q_len=1)
+    out = paged_attention(  # the decode sequences: no rows (0:num_decode is left alone)
+        q, k_cache, v_cache, layer, block_tables, jnp.where(decoding, 0, kv_lens),
+        jnp.maximum(cu_q_lens, num_decode), scale=scale, soft_cap=soft_cap,
+        interpret=interpret)
+    decode_rows = (jnp.arange(rows) < num_decode)[:, None, None]
+    return out.at[:rows].set(jnp.where(decode_rows, out_decode, out[:rows]))
+
+
 def token_positions(cu_q_lens, kv_lens, num_tokens: int):
     """Per flat token: its sequence, its position, and whether it is a real query row."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -33,10 +33,10 @@ class PackingStub:
         self.pack_cache = PackCache()
 
     def dispatch(self, scheduled, plan=None) -> StepHandle:
-        scheduled, _ = pack_rows(scheduled, plan, self.block_size, self.buckets,
-                                 self.pack_cache)
+        scheduled, _, order = pack_rows(scheduled, plan, self.block_size, self.buckets,
+                                        self.pack_cache)
         record_pending_rows(scheduled)
-        return StepHandle(None, len(scheduled), None if plan is None else plan.order)
+        return StepHandle(None, len(scheduled), order)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         return np.full(handle.num_rows, 42, np.int32)

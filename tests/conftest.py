@@ -13,3 +13,18 @@ def smollm2_gguf() -> Path:
     from models.fetch import fetch_embedded
 
     return fetch_embedded("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def sharp_tiny():
+    """tiny-llama (float32, dummy weights) with its attention weights x8: dummy weights
+    leave the tokens nearly blind to attention, so an attention bug could pass a
+    token-level comparison; here each row's token depends on what it attends."""
+    import dataclasses
+
+    import jprefix
+
+    tiny = jprefix.load("tiny-llama", dtype="float32", load_format="dummy")
+    lp = tiny.params.layers
+    sharp = dataclasses.replace(lp, wq=lp.wq * 8, wk=lp.wk * 8, wv=lp.wv * 8, wo=lp.wo * 8)
+    return dataclasses.replace(tiny, params=dataclasses.replace(tiny.params, layers=sharp))

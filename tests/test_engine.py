@@ -131,7 +131,7 @@ def test_compilations_bounded_by_buckets(tiny):
     T = {t for t, *_ in seen}
     S = {s for _, s, *_ in seen}
     assert T <= {16, 32, 64} and S <= {8}
-    assert len(seen) <= 3 * 1 * 4 * 2  # T x S x M buckets x (decode or not)
+    assert len(seen) <= 3 * 1 * 4 * 3  # T x S x M buckets x (decode, mixed, prefill)
 
 
 def test_pallas_interpret_backend_matches_xla(tiny):
@@ -143,6 +143,24 @@ def test_pallas_interpret_backend_matches_xla(tiny):
         outs[backend] = [o.token_ids for o in llm.generate(prompts, _greedy(3), prefix_pos=16,
                                                            use_tqdm=False)]
     assert outs["xla"] == outs["pallas-interpret"]
+
+
+def test_mixed_steps_decode_rows_first_with_their_own_tiling(sharp_tiny):
+    """Steps that mix decodes with prefill chunks (a small token budget) put the one-token
+    rows first and attend them with the decode tiling: greedy tokens equal the XLA
+    backend's and the dense model's, and such steps did run."""
+    tiny = sharp_tiny
+    rng = np.random.default_rng(12)
+    prompts = _prompts(rng, tiny.config.vocab_size, 0, [5, 30, 21, 3])
+    outs, mixed = {}, {}
+    for backend in ("xla", "pallas-interpret"):
+        llm = LLM(tiny, block_size=BS, num_kv_blocks=64, max_num_batched_tokens=16,
+                  attention_backend=backend, enable_prefix_caching=False)
+        res = llm.generate(prompts, _greedy(4), use_tqdm=False)
+        outs[backend] = [o.token_ids for o in res]
+        mixed[backend] = sum(m for *_, m in llm.engine.runner.shapes_seen)
+    assert outs["xla"] == outs["pallas-interpret"] == [_dense(tiny, p, 4) for p in prompts]
+    assert mixed["pallas-interpret"] >= 1
 
 
 def test_stop_token_ids_and_max_tokens_finish(tiny):

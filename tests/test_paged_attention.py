@@ -12,7 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    mixed_paged_attention,
+    paged_attention,
+    paged_attention_reference,
+)
 
 INTERPRET = jax.default_backend() == "cpu"
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # relative L2 error vs the reference
@@ -122,6 +126,27 @@ def test_reference_token_chunks_agree():
 def test_kernel_matches_reference_ragged_batches(case, max_q_len):
     check_kernel(make_batch(np.random.default_rng(len(case)), case), max_q_len=max_q_len,
                  block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_decode", [0, 1, 4, 6])
+def test_mixed_step_tilings_match_reference(num_decode, dtype):
+    """A step of decodes (first) and prefill chunks: decode rows with the decode tiling,
+    the rest with the prefill tiling, equals the reference on every row."""
+    rng = np.random.default_rng(70 + num_decode)
+    seqs = [(1, int(k)) for k in rng.integers(1, 50, num_decode)]
+    for _ in range(6 - num_decode):
+        q = int(rng.integers(2, 20))
+        seqs.append((q, q + int(rng.integers(0, 30))))  # a prefill chunk, some cached
+    batch = make_batch(rng, seqs + [(0, 0)], heads=6, kv_heads=2, dtype=dtype)
+    ref = np.asarray(paged_attention_reference(**batch, scale=0.3), np.float32)
+    out = mixed_paged_attention(**batch, num_decode=jnp.int32(num_decode), scale=0.3,
+                                interpret=INTERPRET)
+    assert out.shape == batch["q"].shape and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    n = int(batch["cu_q_lens"][-1])
+    assert not np.isnan(out).any() and np.all(out[n:] == 0.0)
+    assert rel_err(out[:n], ref[:n]) < TOL[jnp.dtype(dtype).type]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -70,3 +70,26 @@ def test_a_failed_launch_fails_every_later_step_clearly(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="earlier engine step failed"):
         llm.engine.runner.execute(synthetic_rows([[5, 6, 7]], [[1]], [3]))
+
+
+def test_mixed_step_gives_each_row_its_token_in_any_row_order(sharp_tiny):
+    """A step of prefill chunks and decodes in any order: the runner moves the one-token
+    rows first (decode tiling for them), and each row still gets its own token, equal
+    to the XLA backend's (the same rows, the same zero cache)."""
+    from jprefix.scheduler import synthetic_rows
+
+    tiny = sharp_tiny
+    contexts = [list(range(3 + 7 * n, 3 + 8 * n)) for n in (12, 9, 20, 5)]
+    tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(4)]
+    num_new = [6, 1, 8, 1]  # chunk, decode, chunk, decode
+    tokens = {}
+    for backend in ("xla", "pallas-interpret"):
+        for flip in (False, True):
+            llm = LLM(tiny, block_size=8, num_kv_blocks=32, attention_backend=backend)
+            order = [3, 2, 1, 0] if flip else [0, 1, 2, 3]
+            rows = synthetic_rows([contexts[i] for i in order], [tables[i] for i in order],
+                                  [num_new[i] for i in order])
+            got = llm.engine.runner.execute(rows).tolist()
+            tokens[backend, flip] = [got[order.index(i)] for i in range(4)]
+            assert any(mixed for *_, mixed in llm.engine.runner.shapes_seen)
+    assert len(set(map(tuple, tokens.values()))) == 1, tokens
