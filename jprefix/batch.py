@@ -212,16 +212,20 @@ def pack_flat(batch: dict[str, np.ndarray]) -> PackedStep:
     return PackedStep(*flatten_batch(batch), batch)
 
 
+def layout_spans(layout: Layout):
+    """Where `flatten_batch` put each array: (name, shape, dtype, in the float buffer,
+    start, size), in layout order."""
+    offsets = {False: 0, True: 0}
+    for name, shape, dtype in layout:
+        is_float, size = dtype == "float32", math.prod(shape)
+        yield name, shape, dtype, is_float, offsets[is_float], size
+        offsets[is_float] += size
+
+
 def flat_views(ints: np.ndarray, floats: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
     """The arrays of a `flatten_batch` result as views into its two buffers."""
-    out, offsets = {}, {"int": 0, "float32": 0}
-    for name, shape, dtype in layout:
-        kind = "float32" if dtype == "float32" else "int"
-        start, size = offsets[kind], math.prod(shape)
-        flat = (floats if kind == "float32" else ints)[start : start + size]
-        out[name] = flat.view(dtype).reshape(shape)
-        offsets[kind] = start + size
-    return out
+    return {name: (floats if is_float else ints)[start : start + size].view(dtype).reshape(shape)
+            for name, shape, dtype, is_float, start, size in layout_spans(layout)}
 
 
 @dataclass

@@ -27,6 +27,7 @@ from jprefix.batch import (
     PackCache,
     PackedStep,
     bucket,
+    layout_spans,
     pack_flat,
     pack_step,
     remember_decode,
@@ -85,15 +86,12 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
 
 def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[str, jax.Array]:
     """Inverse of `jprefix.batch.flatten_batch`, inside the jitted step."""
-    out, offsets = {}, {"int": 0, "float32": 0}
-    for name, shape, dtype in layout:
-        kind = "float32" if dtype == "float32" else "int"
-        start, size = offsets[kind], math.prod(shape)
-        flat = (floats if kind == "float32" else ints)[start : start + size]
+    out = {}
+    for name, shape, dtype, is_float, start, size in layout_spans(layout):
+        flat = (floats if is_float else ints)[start : start + size]
         if dtype == "uint32":
             flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
         out[name] = flat.reshape(shape)
-        offsets[kind] = start + size
     return out
 
 

@@ -110,6 +110,17 @@ def test_block_table_array_follows_the_list_through_growth_and_replacement():
     assert b["block_tables"][0, :2].tolist() == [7, 0]
 
 
+def _random_seqs(rng, n, prompt_len, num_blocks):
+    """Sequences with random prompts, sampling settings and block tables."""
+    seqs = []
+    for i in range(n):
+        seq = Sequence(f"r{i}", rng.integers(3, 99, prompt_len).tolist(), SamplingParams(
+            temperature=float(rng.random()), top_k=int(rng.integers(1, 9)), seed=i))
+        seq.block_table = rng.integers(1, 500, num_blocks).tolist()
+        seqs.append(seq)
+    return seqs
+
+
 def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
     """Steps that grow, replace, drop and reorder rows: packing with the cache carried
     between steps equals packing from scratch, array for array (cascade tables too)."""
@@ -117,12 +128,7 @@ def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
     from jprefix.cascade import CascadePlan, pack_cascade
 
     rng = np.random.default_rng(5)
-    seqs = []
-    for i in range(12):
-        seq = Sequence(f"r{i}", rng.integers(3, 99, 20).tolist(), SamplingParams(
-            temperature=float(rng.random()), top_k=int(rng.integers(1, 9)), seed=i))
-        seq.block_table = rng.integers(1, 500, 6).tolist()
-        seqs.append(seq)
+    seqs = _random_seqs(rng, 12, prompt_len=20, num_blocks=6)
     cache = PackCache()
     for step in range(40):
         for seq in seqs:
@@ -161,12 +167,7 @@ def test_steady_decode_repacking_equals_packing_afresh():
     from jprefix.runner import pack_rows
 
     rng = np.random.default_rng(11)
-    seqs = []
-    for i in range(10):
-        seq = Sequence(f"r{i}", rng.integers(3, 99, 14).tolist(), SamplingParams(
-            temperature=float(rng.random()), top_k=int(rng.integers(1, 9)), seed=i))
-        seq.block_table = rng.integers(1, 500, 4).tolist()
-        seqs.append(seq)
+    seqs = _random_seqs(rng, 10, prompt_len=14, num_blocks=4)
     cache, plan, repacked, last_decode = PackCache(), None, 0, None
     for step in range(120):
         pending = bool(rng.random() < 0.6)  # async: the row's newest token is on the device
