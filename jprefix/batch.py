@@ -249,15 +249,16 @@ def remember_decode(cache: PackCache, scheduled: Seq, plan: Any, packed: PackedS
         cache.decode = None
 
 
-def repack_decode(scheduled: Seq, plan: Any, block_size: int, cache: PackCache
-                  ) -> PackedStep | None:
+def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
+                  cache: PackCache) -> PackedStep | None:
     """The steady state of a decode batch, packed without a pass per row over the batch:
     when this step decodes one token of each of the same sequences, in the same order and
     under the same cascade plan (`plan.prefix_blocks`, or None), as the last packed step
     (which did the same), its buffers are the last step's advanced to the new positions,
     with only the block-table rows that changed rewritten. Equals `pack_step` (+
-    `pack_cascade`) array for array; None when the step is not such a step, or a table
-    outgrew its bucket (pack afresh then)."""
+    `pack_cascade`) array for array (`min_blocks` is the tables' bucket floor); None when
+    the step is not such a step, a changed table moves a table's width bucket, or a
+    group's first member no longer holds the group's prefix (pack afresh then)."""
     last = cache.decode
     n = len(scheduled)
     if (last is None or last.plan is not plan or n != len(last.seqs)
@@ -276,14 +277,23 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, cache: PackCache
     ints = last.packed.ints.copy()
     a = flat_views(ints, last.packed.floats, last.packed.layout)
     bt = a["block_tables"]
-    suffix = None
-    if plan is not None:
+    suffix = {}  # changed rows' suffix tables, under a cascade plan
+    if changed:  # the widths are the bucketed longest rows, as pack_step has them
+        lens = np.fromiter(map(len, tables), np.int64, n)
+        if bucket(int(lens.max()), min_blocks) != bt.shape[1]:
+            return None
+    if changed and plan is not None:
         prefix_blocks = plan.prefix_blocks
         suffix = {i: seqs[i].block_table_suffix(prefix_blocks[i]) for i in changed}
-        if any(len(r) > a["suffix_block_tables"].shape[1] for r in suffix.values()):
+        longest = int((lens - np.asarray(prefix_blocks, np.int64)).max())
+        if bucket(longest, min_blocks) != a["suffix_block_tables"].shape[1]:
             return None
-    if any(len(tables[i]) > bt.shape[1] for i in changed):
-        return None
+        firsts = np.cumsum([0, *plan.group_sizes[:-1]]).tolist()  # pack_cascade's source
+        for g, i in enumerate(firsts):  # of each group's prefix table
+            p = prefix_blocks[i]
+            if i in suffix and (len(tables[i]) < p or (
+                    tables[i][:p] != a["prefix_block_tables"][g, :p]).any()):
+                return None
     for i in changed:
         bt[i] = 0
         bt[i, : len(tables[i])] = tables[i]
@@ -304,7 +314,7 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, cache: PackCache
     pending = np.flatnonzero(~known).tolist()
     if pending:
         src[pending] = [seqs[i].pending_row for i in pending]
-    if suffix is not None:
+    if plan is not None:
         st = a["suffix_block_tables"]
         rows = list(cache.suffix_tables.rows)
         for i, row in suffix.items():

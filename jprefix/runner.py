@@ -175,8 +175,11 @@ def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
     order = plan.order if plan is not None else None
     if order is not None:
         scheduled = [scheduled[i] for i in order]
-    if cache is not None and (packed := repack_decode(scheduled, plan, block_size, cache)):
-        return list(scheduled), packed, order
+    if cache is not None:
+        packed = repack_decode(scheduled, plan, block_size, buckets.min_blocks, cache)
+        if packed is not None:
+            return list(scheduled), packed, order
+        cache.decode = None  # (kept again below if this step decodes; not if packing fails)
     num_decode = 0
     if plan is None:
         ones = [i for i, sc in enumerate(scheduled) if sc.num_new_tokens == 1]

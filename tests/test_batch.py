@@ -169,17 +169,21 @@ def test_steady_decode_repacking_equals_packing_afresh():
     rng = np.random.default_rng(11)
     seqs = _random_seqs(rng, 10, prompt_len=14, num_blocks=4)
     cache, plan, repacked, last_decode = PackCache(), None, 0, None
-    for step in range(120):
-        pending = bool(rng.random() < 0.6)  # async: the row's newest token is on the device
+    for step in range(160):
+        mode = rng.integers(0, 3)  # newest tokens known, pending on the device, or a mix
+        pending = {s.request_id for s in seqs if mode == 1 or mode == 2 and rng.random() < .5}
         for row, seq in enumerate(seqs):
             seq.append_token(int(rng.integers(3, 99)))
             seq.pending_row = row + 1
             if len(seq.block_table) * B <= seq.num_tokens:
                 seq.block_table.append(int(rng.integers(1, 500)))  # grows in place
-        change = rng.integers(0, 12)
+        change = rng.integers(0, 13)
         victim = seqs[int(rng.integers(len(seqs)))]
-        if change == 1:  # replaced (as after preemption and a new prefix match)
-            victim.block_table = rng.integers(1, 500, -(-victim.num_tokens // B) + 1).tolist()
+        if change == 6 and plan is not None:  # a group's first row, under the same plan
+            victim = seqs[plan.order[0]]
+        if change in (1, 6):  # replaced (preemption, a new prefix match): shorter or longer
+            extra = int(rng.choice([0, 1, 9]))
+            victim.block_table = rng.integers(1, 500, victim.num_tokens // B + 1 + extra).tolist()
         elif change == 2 and len(seqs) > 3:
             seqs.remove(victim)  # finished
         elif change == 3:
@@ -191,7 +195,8 @@ def test_steady_decode_repacking_equals_packing_afresh():
             rows = [ScheduledSeq(s, s.num_tokens - 3, 3, True) for s in seqs]
             plan = None
         else:
-            rows = [ScheduledSeq(s, s.num_tokens - (not pending), 1, True) for s in seqs]
+            rows = [ScheduledSeq(s, s.num_tokens - (s.request_id not in pending), 1, True)
+                    for s in seqs]
         fresh = pack_rows(rows, plan, B, BucketConfig())[1]
         cached = pack_rows(rows, plan, B, BucketConfig(), cache)[1]
         assert cached.layout == fresh.layout, f"step {step}"
@@ -202,4 +207,29 @@ def test_steady_decode_repacking_equals_packing_afresh():
         np.testing.assert_array_equal(cached.floats, fresh.floats)
         repacked += cache.decode is not None and cache.decode is last_decode
         last_decode = cache.decode
-    assert repacked >= 40  # the steady path ran, and not only a few times
+    assert repacked >= 50  # the steady path ran, and not only a few times
+
+
+def test_repacking_follows_a_table_that_shrinks_below_its_width_bucket():
+    """A row's table replaced by a shorter one (re-admitted after preemption) can shrink
+    the tables' width bucket; the repacked step has the fresh width, cascade tables too."""
+    from jprefix.batch import PackCache
+    from jprefix.cascade import CascadePlan
+    from jprefix.runner import pack_rows
+
+    rng = np.random.default_rng(3)
+    seqs = _random_seqs(rng, 2, prompt_len=10, num_blocks=3)
+    seqs[0].block_table = rng.integers(1, 500, 9).tolist()  # width bucket 16
+    for plan in (None, CascadePlan([0, 1], [2, 2], [2])):
+        cache = PackCache()
+        for step in range(3):
+            if step == 2:
+                seqs[0].block_table = rng.integers(1, 500, 3).tolist()  # bucket 4
+            for seq in seqs:
+                seq.append_token(int(rng.integers(3, 99)))
+            rows = [ScheduledSeq(s, s.num_tokens - 1, 1, True) for s in seqs]
+            fresh = pack_rows(rows, plan, B, BucketConfig())[1]
+            cached = pack_rows(rows, plan, B, BucketConfig(), cache)[1]
+            assert cached.layout == fresh.layout
+            np.testing.assert_array_equal(cached.ints, fresh.ints)
+        assert fresh.arrays["block_tables"].shape[1] == 4

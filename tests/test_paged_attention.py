@@ -149,6 +149,18 @@ def test_mixed_step_tilings_match_reference(num_decode, dtype):
     assert rel_err(out[:n], ref[:n]) < TOL[jnp.dtype(dtype).type]
 
 
+def test_mixed_step_with_fewer_tokens_than_sequence_slots():
+    """T < S (many padding slots): the decode part sees only the first T rows."""
+    rng = np.random.default_rng(77)
+    seqs = [(1, 9), (1, 20), (3, 12)] + [(0, 0)] * 9
+    batch = make_batch(rng, seqs, heads=4, kv_heads=2, extra_rows=0)
+    assert batch["q"].shape[0] < len(seqs)
+    ref = np.asarray(paged_attention_reference(**batch, scale=0.3))
+    out = np.asarray(mixed_paged_attention(**batch, num_decode=jnp.int32(2), scale=0.3,
+                                           interpret=INTERPRET))
+    assert rel_err(out, ref) < TOL[jnp.float32]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_random_ragged_batches(seed):
     # Small key steps (one 8-token page) put causal and length edges at every offset.
