@@ -18,6 +18,7 @@ import statistics
 import time
 
 import jprefix  # noqa: F401  (sets XLA's flags as the engine runs them, before jax starts)
+from scripts.bench_throughput import write_json  # (run with PYTHONPATH=$PWD)
 
 
 def _timed(call, sync, reps: int) -> tuple[float, float]:
@@ -115,9 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
                   xla=probe_xla(args.kernels, args.reps),
                   torch=probe_torch(args.kernels, args.reps))
     print(json.dumps(result, indent=1))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.output_json, result)
     return result
 
 

@@ -27,6 +27,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import jax  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from scripts.bench_throughput import write_json  # noqa: E402  (run with PYTHONPATH=$PWD)
 
 STEP_MARK = "jprefix_engine_step"
 
@@ -261,9 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["configs"][config] = dict(decode=decode, prefill=prefill, single=single, **ttft,
                                          wall_s=time.perf_counter() - t)
         print(f"== {config}", json.dumps(result["configs"][config], indent=1), flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.output_json, result)
     return result
 
 
