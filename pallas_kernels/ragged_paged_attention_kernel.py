@@ -195,6 +195,19 @@ def ragged_paged_attention_kernel(
     cfg: KernelConfig,
 ):
     tile, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The grid has room for the most tiles a ragged batch of S sequences can need; the
+    # tiles past the batch's last (valid 0) return at once: they store nothing, and
+    # loading their queries is not free (one 104-token prompt in a step of 8 sequence
+    # slots launches 9 prefill tiles per head and split, 1 of them live).
+    # (The program ids are read out here: interpret mode cannot lower them inside a cond.)
+    pl.when(meta_ref[tile, 2] > 0)(functools.partial(
+        _tile, tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
+        *stat_refs, cfg=cfg))
+
+
+def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
+          *stat_refs, cfg: KernelConfig):
+    """The kernel's work for one live tile (`ragged_paged_attention_kernel`)."""
     seq, tok0, valid = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
     first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
 
