@@ -55,6 +55,9 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over
     cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
+    # step inputs in device buffers refilled in place (runner.FixedInputs); None: where
+    # XLA records command buffers
+    fixed_inputs: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -95,7 +98,7 @@ class LLMEngine:
                 buckets=BucketConfig(min_seqs=8), unroll_layers=self.args.unroll_layers,
                 memory_fraction=self.args.gpu_memory_utilization,
                 cpu_num_blocks=self.args.cpu_num_kv_blocks, mesh=mesh,
-                max_num_seqs=self.args.max_num_seqs,
+                max_num_seqs=self.args.max_num_seqs, fixed_inputs=self.args.fixed_inputs,
             )
         self.runner = runner
         self.scheduler = self._make_scheduler(self.runner.num_blocks)

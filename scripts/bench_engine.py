@@ -86,6 +86,28 @@ def run_ttft(llm: LLM, prompt: list[int], prefix_len: int, cached: bool, reps: i
     return statistics.median(times) * 1e3
 
 
+def run_tpot(llm: LLM, prompt: list[int], prefix_len: int, output_len: int, reps: int) -> float:
+    """Milliseconds per output token after the first, one request alone (batch-1 decode):
+    the median over `reps` of (time for output_len tokens - time for 1) / (output_len - 1),
+    with the prefix cached both times."""
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    sp1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    per_token = []
+    for i in range(reps + 1):  # the first compiles the decode step
+        times = []
+        for params in (sp1, sp):
+            llm.reset_prefix_cache()
+            llm.generate([prompt[:prefix_len] + [11 + i]], sp1, prefix_pos=prefix_len,
+                         use_tqdm=False)
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, prefix_pos=prefix_len, use_tqdm=False)[0]
+            times.append(time.perf_counter() - start)
+            assert len(out.token_ids) == params.max_tokens
+        if i:
+            per_token.append((times[1] - times[0]) / (output_len - 1))
+    return statistics.median(per_token) * 1e3
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-2-7b")
@@ -100,6 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-off", action="store_true", help="skip the cache-off runs")
     ap.add_argument("--compare-cascade", action="store_true",
                     help="also run cache on with cascade decode off")
+    ap.add_argument("--ttft-only", action="store_true",
+                    help="measure time to first token only (no throughput runs)")
+    ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
+                    help="step inputs in device buffers refilled in place (auto: where "
+                         "XLA records command buffers)")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
@@ -108,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
                            model.config.vocab_size, 0)
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
-                     "prefix_len": args.prefix_len, "unique_len": args.unique_len}
+                     "prefix_len": args.prefix_len, "unique_len": args.unique_len,
+                     "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    fixed = {"auto": None, "on": True, "off": False}[args.fixed_inputs]
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
         modes.append(("on_nocascade", True, False))
@@ -117,11 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
     num_blocks = args.num_kv_blocks  # fixed after the first engine: same shapes, no recompile
     for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
-                  enable_cascade=cascade,
+                  enable_cascade=cascade, fixed_inputs=fixed,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
+        results[f"fixed_inputs_{tag}"] = llm.engine.runner.fixed_inputs is not None
         num_blocks = llm.engine.scheduler.block_manager.num_blocks
         results[f"num_kv_blocks_{tag}"] = llm.engine.scheduler.block_manager.num_blocks
-        for out_len in args.output_len:
+        for out_len in [] if args.ttft_only else args.output_len:
             r = run_throughput(llm, prompts, args.prefix_len, out_len)
             results[f"throughput_{tag}_out{out_len}"] = r
             print(f"cache {tag} out {out_len}: {r}", flush=True)
@@ -131,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
             if caching:
                 results["ttft_ms_on_uncached"] = run_ttft(
                     llm, prompts[0], args.prefix_len, False, args.ttft_reps)
+                results["tpot_ms_on"] = run_tpot(llm, prompts[0], args.prefix_len, 64,
+                                                 max(1, args.ttft_reps // 3))
         del llm
         gc.collect()  # free its KV cache before the next engine sizes its own
         if args.output_json:  # after every engine: a timeout keeps what was measured
@@ -143,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
 def print_table(r: dict, args) -> None:
     print(f"\n{args.model} dummy weights, {args.num_prompts} x ({args.prefix_len} shared + "
           f"{args.unique_len}) tokens")
-    for out_len in args.output_len:
+    for out_len in [] if args.ttft_only else args.output_len:
         on = r.get(f"throughput_on_out{out_len}")
         off = r.get(f"throughput_off_out{out_len}")
         nc = r.get(f"throughput_on_nocascade_out{out_len}")
@@ -159,7 +191,7 @@ def print_table(r: dict, args) -> None:
                  f"{on['host_share_full_batch']:.1%} of it (overlapping the device under "
                  f"async scheduling: scripts/profile_engine.py measures the device's idle)")
         print(line)
-    for key in ("ttft_ms_on_cached", "ttft_ms_on_uncached", "ttft_ms_off"):
+    for key in ("ttft_ms_on_cached", "ttft_ms_on_uncached", "ttft_ms_off", "tpot_ms_on"):
         if key in r:
             print(f"{key}: {r[key]:.1f} ms")
 

@@ -9,6 +9,8 @@
 #   engine_cascade  bench_engine.py --compare-cascade --skip-off               ~3 min
 #   profile   profile_engine.py async+cascade: decode step, batch-1, TTFT step ~3 min
 #             ($PROFILE_ARGS, e.g. --top-kernels 60)
+#   ttft      bench_engine.py --ttft-only, XLA command buffers off / on with fixed
+#             input buffers / on with fresh ones                              ~4 min
 #   launch    probe_launch.py: host cost of one kernel launch, XLA vs torch eager/graph
 #   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
@@ -49,6 +51,16 @@ job_engine() {
 job_engine_cascade() {
   run engine_cascade 230 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
     --skip-off --compare-cascade --ttft-reps 3 --output-json "$OUT/engine_cascade.json"
+}
+job_ttft() {  # TTFT and batch-1 decode: command buffers off (jprefix's default), then
+  # on with the step's inputs refilled in place (fixed addresses), then on with fresh inputs
+  local a=(python3 scripts/bench_engine.py --model llama-2-7b --ttft-only --skip-off
+           --ttft-reps ${TTFT_REPS:-9})
+  run ttft_cb_off 200 "${a[@]}" --output-json "$OUT/ttft_cb_off.json"
+  JPREFIX_XLA_COMMAND_BUFFERS=1 run ttft_cb_fixed 200 "${a[@]}" --fixed-inputs on \
+    --output-json "$OUT/ttft_cb_fixed.json"
+  JPREFIX_XLA_COMMAND_BUFFERS=1 run ttft_cb_fresh 200 "${a[@]}" --fixed-inputs off \
+    --output-json "$OUT/ttft_cb_fresh.json"
 }
 job_profile() {
   run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
