@@ -230,8 +230,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="traced first steps of the throughput workload (its prefill)")
     ap.add_argument("--top-kernels", type=int, default=TOP_KERNELS,
                     help="kernels listed per config, by device time")
+    ap.add_argument("--only", default="decode,prefill,single,ttft",
+                    help="comma-separated parts to trace: decode, prefill, single, ttft")
     args = ap.parse_args(argv)
     TOP_KERNELS = args.top_kernels
+    parts = set(args.only.split(","))
+    if parts - {"decode", "prefill", "single", "ttft"}:
+        ap.error(f"--only {args.only!r}: parts are decode, prefill, single, ttft")
 
     model = load(args.model, dtype=args.dtype, load_format="dummy")
     llm = LLM(model=model, num_kv_blocks=args.num_kv_blocks)
@@ -246,21 +251,26 @@ def main(argv: list[str] | None = None) -> dict:
         llm.engine.args.async_scheduling = "async" in flags
         llm.engine.args.enable_cascade = "cascade" in flags
         t = time.perf_counter()
-        # the first pass compiles this configuration's buckets; the second is traced
-        profile_decode(llm, prompts, args.prefix_len, args.output_len, 0, 1, None, "warm")
-        decode = profile_decode(llm, prompts, args.prefix_len, args.output_len,
-                                args.warm_steps, args.trace_steps, args.keep_traces,
-                                f"decode-{config}")
-        prefill = profile_prefill(llm, prompts, args.prefix_len, args.output_len,
-                                  args.prefill_steps, args.keep_traces, f"prefill-{config}")
-        single = profile_single(llm, prompts[0], args.prefix_len, args.trace_steps,
-                                args.keep_traces, f"single-{config}")
-        ttft = {f"ttft_{kind}": profile_ttft(llm, prompts[0], args.prefix_len,
-                                             kind == "cached", args.keep_traces,
-                                             f"ttft-{kind}-{config}")
-                for kind in ("cached", "uncached")}
-        result["configs"][config] = dict(decode=decode, prefill=prefill, single=single, **ttft,
-                                         wall_s=time.perf_counter() - t)
+        out = {}
+        if parts & {"decode", "prefill"}:
+            # the first pass compiles this configuration's buckets; the second is traced
+            profile_decode(llm, prompts, args.prefix_len, args.output_len, 0, 1, None, "warm")
+        if "decode" in parts:
+            out["decode"] = profile_decode(llm, prompts, args.prefix_len, args.output_len,
+                                           args.warm_steps, args.trace_steps,
+                                           args.keep_traces, f"decode-{config}")
+        if "prefill" in parts:
+            out["prefill"] = profile_prefill(llm, prompts, args.prefix_len, args.output_len,
+                                             args.prefill_steps, args.keep_traces,
+                                             f"prefill-{config}")
+        if "single" in parts:
+            out["single"] = profile_single(llm, prompts[0], args.prefix_len, args.trace_steps,
+                                           args.keep_traces, f"single-{config}")
+        for kind in ("cached", "uncached") if "ttft" in parts else ():
+            out[f"ttft_{kind}"] = profile_ttft(llm, prompts[0], args.prefix_len,
+                                               kind == "cached", args.keep_traces,
+                                               f"ttft-{kind}-{config}")
+        result["configs"][config] = dict(**out, wall_s=time.perf_counter() - t)
         print(f"== {config}", json.dumps(result["configs"][config], indent=1), flush=True)
     write_json(args.output_json, result)
     return result
