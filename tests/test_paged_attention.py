@@ -216,7 +216,9 @@ def test_kernel_loop_and_cache_hint_variants(knobs, max_q_len):
 
 @pytest.mark.parametrize("heads,kv_heads,hp,knobs", [
     (4, 4, 2, {}),  # MHA, two heads per tile
-    (8, 8, 8, {"kv_splits": 2}),  # all heads in one tile, split key range
+    # all heads in one tile, split key range (32-key steps: 8 heads x 64 float32 keys a
+    # step ask for more shared memory than an H200 has)
+    (8, 8, 8, {"kv_splits": 2, "block_kv": 32}),
     (8, 4, 2, {"soft_cap": 5.0}),  # GQA groups of 2, two groups per tile
     (12, 4, 4, {"block_kv": 16, "prefetch_pages": True}),  # group 3 padded to 4
 ])

@@ -1,0 +1,61 @@
+"""Probe: host time of one jitted call against the number of array arguments (the step
+takes ~200 weight buffers) and whether its flat inputs come from numpy (copied to the
+device inside the call) or are on the device already.
+
+    PYTHONPATH=$PWD python scripts/probe_args.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jprefix  # noqa: F401  (the engine's XLA settings)
+from scripts.bench_throughput import write_json
+
+
+@jax.jit
+def _call(leaves, ints, floats):
+    return ints[:4] + floats[:4].astype(jnp.int32)
+
+
+def time_call(leaves, ints, floats, reps: int) -> float:
+    """Median host microseconds of the call (the device work is a few tiny kernels)."""
+    _call(leaves, ints, floats).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = _call(leaves, ints, floats)
+        times.append(time.perf_counter() - t)
+        out.block_until_ready()
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--leaves", type=int, nargs="+", default=[0, 64, 195, 400])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    ints = np.arange(3000, dtype=np.int32)
+    floats = np.ones(300, np.float32)
+    rows = []
+    for n in args.leaves:
+        leaves = [jnp.full((8, 8), i, jnp.bfloat16) for i in range(n)]
+        host = time_call(leaves, ints, floats, args.reps)
+        device = time_call(leaves, jax.device_put(ints), jax.device_put(floats), args.reps)
+        rows.append(dict(leaves=n, us_numpy_inputs=round(host, 1),
+                         us_device_inputs=round(device, 1)))
+        print(rows[-1], flush=True)
+    result = dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows)
+    write_json(args.output_json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
