@@ -13,9 +13,9 @@ from jprefix.scheduler import synthetic_rows
 def compile_step(runner: ModelRunner, scheduled) -> jax.stages.Compiled:
     """The compiled step the runner would run for `scheduled` (plain attention)."""
     batch = pack_step(scheduled, runner.block_size, runner.buckets)
-    ints, floats, layout = flatten_batch(batch)
+    flat, layout = flatten_batch(batch)
     decode = all(sc.num_new_tokens == 1 for sc in scheduled)
-    return step.lower(runner.params, runner.kv_cache, ints, floats,
+    return step.lower(runner.params, runner.kv_cache, flat,
                       jnp.zeros(runner.max_rows, jnp.int32), layout=layout, cfg=runner.cfg,
                       backend=runner.backend, decode=decode, greedy=True,
                       mesh=runner.mesh).compile()

@@ -85,14 +85,14 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
                            max_q_len=1 if decode else None)
 
 
-def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
     """Inverse of `jprefix.batch.flatten_batch`, inside the jitted step."""
     out = {}
-    for name, shape, dtype, is_float, start, size in layout_spans(layout):
-        flat = (floats if is_float else ints)[start : start + size]
-        if dtype == "uint32":
-            flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
-        out[name] = flat.reshape(shape)
+    for name, shape, dtype, _, start, size in layout_spans(layout):
+        part = flat[start : start + size]
+        if dtype != "int32":
+            part = jax.lax.bitcast_convert_type(part, jnp.dtype(dtype))
+        out[name] = part.reshape(shape)
     return out
 
 
@@ -101,22 +101,21 @@ def unflatten_batch(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[
     static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh"),
     donate_argnames=("kv_cache",),
 )
-def step(params, kv_cache: KVCache, ints: jax.Array, floats: jax.Array,
-         prev_tokens: jax.Array, *, layout: Layout, cfg: ModelConfig, backend: str,
-         decode: bool = False, greedy: bool = False, cascade: bool = False,
-         mesh: Mesh | None = None):
+def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
+         layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
+         greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None):
     """One engine step: returns (sampled token ids [P], updated kv_cache), P =
     `prev_tokens.size` (rows beyond the batch are padding).
 
-    The batch arrives as two flat buffers (`flatten_batch`). Tokens still pending on the
-    host read their id from `prev_tokens`, the previous step's output (async
+    The batch arrives as one flat int32 buffer (`flatten_batch`). Tokens still pending on
+    the host read their id from `prev_tokens`, the previous step's output (async
     scheduling: this step was dispatched before that one's ids reached the host).
     `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
     `greedy` (every temperature is 0) skips the sampling machinery. `cascade` (the batch
     carries jprefix.cascade's arrays) attends each group's shared prefix once. With a
     tensor-parallel `mesh`, the KV write and attention run per device on its heads.
     """
-    batch = unflatten_batch(ints, floats, layout)
+    batch = unflatten_batch(flat, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     src = batch["token_src"]
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], batch["token_ids"])
@@ -336,7 +335,7 @@ class ModelRunner:
         output. Records each sampling row's output row in `seq.pending_row`.
         """
         t0 = time.perf_counter()
-        scheduled, (ints, floats, layout, batch), order = pack_rows(
+        scheduled, (flat, layout, batch), order = pack_rows(
             scheduled, plan, self.block_size, self.buckets, self._pack_cache)
         decode = int(batch["cu_q_lens"][len(scheduled)]) == len(scheduled)  # 1 token each
         greedy = not batch["temperature"].any()
@@ -351,12 +350,9 @@ class ModelRunner:
                                    "pending tokens are lost: create a new engine"
                                    ) from self._failed
             try:
-                if self.fixed_inputs is None:
-                    ints_in, floats_in = ints, floats
-                else:
-                    ints_in, floats_in = self.fixed_inputs(ints), self.fixed_inputs(floats)
+                flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
                 tokens, self._kv_cache = step(
-                    self.params, self._kv_cache, ints_in, floats_in, self._last_tokens,
+                    self.params, self._kv_cache, flat_in, self._last_tokens,
                     layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
                     greedy=greedy, cascade=plan is not None, mesh=self.mesh)
             except Exception as exc:

@@ -116,7 +116,7 @@ def test_fixed_inputs_refill_the_same_device_buffers_and_change_no_token(sharp_t
         assert (runner.fixed_inputs is not None) == fixed
         outs[fixed] = [o.token_ids for o in llm.generate(prompts, sps * 2, use_tqdm=False)]
     buffers = dict(runner.fixed_inputs._buffers)
-    assert len(buffers) >= 2 and len({k[1] for k in buffers}) == 2  # int32 and float32
+    assert len(buffers) >= 2  # (prefill and decode steps pack to different sizes)
     pointers = {k: b.unsafe_buffer_pointer() for k, b in buffers.items()}
     llm.reset_prefix_cache()
     assert [o.token_ids for o in llm.generate(prompts, sps * 2, use_tqdm=False)] == outs[True]
