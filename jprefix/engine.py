@@ -194,7 +194,8 @@ class LLMEngine:
             finished += out.ignored
             launched = None
             if out.scheduled:
-                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out.scheduled))
+                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out.scheduled),
+                                              idle=self._inflight is None)
                 launched = _InFlight(out, handle, t0, time.perf_counter())
             if self.args.async_scheduling:
                 done, self._inflight = self._inflight, launched
