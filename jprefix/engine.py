@@ -194,8 +194,7 @@ class LLMEngine:
             finished += out.ignored
             launched = None
             if out.scheduled:
-                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out.scheduled),
-                                              idle=self._inflight is None)
+                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out.scheduled))
                 launched = _InFlight(out, handle, t0, time.perf_counter())
             if self.args.async_scheduling:
                 done, self._inflight = self._inflight, launched

@@ -327,17 +327,12 @@ class ModelRunner:
             self._last_launch.result()
         return self._kv_cache
 
-    def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None,
-                 idle: bool = False) -> StepHandle:
+    def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None) -> StepHandle:
         """Packs one step and queues its launch without waiting for either the launch or
         the device; `fetch` gets its tokens.
 
         A row whose newest token is pending reads it from the previous dispatch's
         output. Records each sampling row's output row in `seq.pending_row`.
-        `idle` (the caller has no step in flight whose tokens it must process while this
-        one launches, e.g. the first step after idling, the one that computes a new
-        request's first token): launch on the calling thread once earlier launches are
-        done, sparing the hand-off to the launch thread.
         """
         t0 = time.perf_counter()
         scheduled, (flat, layout, batch), order = pack_rows(
@@ -370,14 +365,7 @@ class ModelRunner:
             self._last_tokens = tokens
             return tokens
 
-        if idle and (self._last_launch is None or self._last_launch.done()):
-            self._last_launch = concurrent.futures.Future()
-            try:
-                self._last_launch.set_result(launch())
-            except Exception as exc:  # raised again by `fetch`, as from the thread
-                self._last_launch.set_exception(exc)
-        else:
-            self._last_launch = self._launcher.submit(launch)
+        self._last_launch = self._launcher.submit(launch)
         record_pending_rows(scheduled)
         self.last_timing = (time.perf_counter() - t0, 0.0)
         return StepHandle(self._last_launch, len(scheduled), order)

@@ -32,7 +32,7 @@ class PackingStub:
         self.last_timing, self.shapes_seen = (0.0, 0.0), set()
         self.pack_cache = PackCache()
 
-    def dispatch(self, scheduled, plan=None, idle=False) -> StepHandle:
+    def dispatch(self, scheduled, plan=None) -> StepHandle:
         scheduled, _, order = pack_rows(scheduled, plan, self.block_size, self.buckets,
                                         self.pack_cache)
         record_pending_rows(scheduled)
