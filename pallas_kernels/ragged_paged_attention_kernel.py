@@ -197,8 +197,10 @@ def ragged_paged_attention_kernel(
     tile, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The grid has room for the most tiles a ragged batch of S sequences can need; the
     # tiles past the batch's last (valid 0) return at once: they store nothing, and
-    # loading their queries is not free (one 104-token prompt in a step of 8 sequence
-    # slots launches 9 prefill tiles per head and split, 1 of them live).
+    # loading their queries is not free (one prompt of ~100 new tokens in a step of 8
+    # sequence slots launches 9 prefill tiles per head and split, 1 of them live; the
+    # time-to-first-token step's attention fell from 29.9 to 18.5 us per layer on the
+    # H200, docs/PERF.md).
     # (The program ids are read out here: interpret mode cannot lower them inside a cond.)
     pl.when(meta_ref[tile, 2] > 0)(functools.partial(
         _tile, tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
