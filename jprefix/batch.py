@@ -186,7 +186,8 @@ class PackCache:
 
 
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array
-# dtype.name costs ~5 us per call (numpy builds the string), 13 times per packed step
+# dtype.name costs ~2.4 us per call on the dev CPU (numpy builds the string), 13 times per
+# packed step; a dict lookup 0.06 us
 _DTYPE_NAMES = {np.dtype(t): np.dtype(t).name for t in (np.int32, np.uint32, np.float32)}
 
 
@@ -216,20 +217,21 @@ def pack_flat(batch: dict[str, np.ndarray]) -> PackedStep:
 
 
 def layout_spans(layout: Layout):
-    """Where `flatten_batch` put each array: (name, shape, dtype, float32, start, size),
-    in layout order; the float32 arrays start after all the others."""
-    sizes = [(name, shape, dtype, dtype == "float32", math.prod(shape))
-             for name, shape, dtype in layout]
-    offsets = {False: 0, True: sum(size for *_, is_float, size in sizes if not is_float)}
-    for name, shape, dtype, is_float, size in sizes:
-        yield name, shape, dtype, is_float, offsets[is_float], size
+    """Where `flatten_batch` put each array: (name, shape, dtype, start, size), in layout
+    order; the float32 arrays start after all the others."""
+    sizes = [(name, shape, dtype, math.prod(shape)) for name, shape, dtype in layout]
+    offsets = {False: 0,
+               True: sum(size for _, _, dtype, size in sizes if dtype != "float32")}
+    for name, shape, dtype, size in sizes:
+        is_float = dtype == "float32"
+        yield name, shape, dtype, offsets[is_float], size
         offsets[is_float] += size
 
 
 def flat_views(flat: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
     """The arrays of a `flatten_batch` result as views into its buffer."""
     return {name: flat[start : start + size].view(dtype).reshape(shape)
-            for name, shape, dtype, _, start, size in layout_spans(layout)}
+            for name, shape, dtype, start, size in layout_spans(layout)}
 
 
 @dataclass

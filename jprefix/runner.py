@@ -88,7 +88,7 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
 def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
     """Inverse of `jprefix.batch.flatten_batch`, inside the jitted step."""
     out = {}
-    for name, shape, dtype, _, start, size in layout_spans(layout):
+    for name, shape, dtype, start, size in layout_spans(layout):
         part = flat[start : start + size]
         if dtype != "int32":
             part = jax.lax.bitcast_convert_type(part, jnp.dtype(dtype))
@@ -164,7 +164,8 @@ class FixedInputs:
     XLA records a step into command buffers once and afterwards updates only the
     commands whose buffers moved. A step's inputs arriving in fresh buffers every time
     would move every command that reads them; refilled buffers stay put, so a repeated
-    step replays its recording.
+    step replays its recording. (On the H200 a replayed step still ran slower than a
+    plain launch, so jprefix keeps command buffers off by default: docs/PERF.md.)
     """
 
     def __init__(self, sharding: Any = None):
@@ -358,9 +359,10 @@ class ModelRunner:
             except Exception as exc:
                 self._failed = exc
                 raise
-            # Queue the copy to the host now: it then starts on the device right after the
-            # step (a stream wait), where a fetch asking later would first wait on the
-            # host for the step to end, then start the copy (on the H200: ~0.3 ms later).
+            # Queue the copy to the host now, so the tokens may be on the host already when
+            # the engine asks (async scheduling fetches a step's tokens after dispatching
+            # the next one) instead of the copy starting only then. (In the TTFT runs,
+            # which fetch at once, it made no measurable difference: docs/PERF.md.)
             tokens.copy_to_host_async()
             self._last_tokens = tokens
             return tokens

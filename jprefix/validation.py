@@ -13,8 +13,8 @@ def check_token_ids(token_ids: Any, vocab_size: int, what: str = "prompt") -> li
     ids = list(token_ids)
     if not ids:
         raise ValueError(f"{what} is empty: at least one token is needed")
-    # fast path, plain ints in range (a 700-token prompt: ~30 us instead of ~330 us; this
-    # is on the time to first token); anything else is checked one by one below
+    # fast path, plain ints in range (a 700-token prompt: ~50 us instead of ~330 us on the
+    # dev CPU; this is on the time to first token); anything else is checked one by one
     if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
         return ids
     for i, t in enumerate(ids):

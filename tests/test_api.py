@@ -83,6 +83,7 @@ GOOD = [7, 8, 9, 10, 11]
     [
         ([GOOD, []], None, None, "empty"),
         ([GOOD, [1, 2, 3.5]], None, None, "integers"),
+        ([GOOD, [1, True, 3]], None, None, "token 1 is True"),
         ([GOOD, [1, 2, 999999]], None, None, "999999"),
         ([GOOD, [1, 2, -1]], None, None, "-1"),
         ([GOOD, [1, 2, 3]], [None, -1], None, "prefix_len -1"),
@@ -197,3 +198,13 @@ def test_engines_leave_no_threads_behind(tiny):
     while len(ours()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(ours()) == before, ours()
+
+
+def test_token_ids_come_back_as_plain_ints_whatever_their_integer_type():
+    from jprefix.validation import check_token_ids
+
+    ids = check_token_ids(np.arange(5, 12, dtype=np.int64), 100)
+    assert ids == list(range(5, 12)) and {type(t) for t in ids} == {int}
+    assert check_token_ids((9, np.int32(3)), 10) == [9, 3]
+    with pytest.raises(ValueError, match="token 2 is 10"):
+        check_token_ids([0, 9, 10], 10)  # the vocabulary's first id past the end
