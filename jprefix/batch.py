@@ -196,11 +196,20 @@ def flatten_batch(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
     per array: each costs ~50 us of host time on the H200 machine), float32 arrays as
     their bit patterns after the integer ones; `layout` (static, hashable) splits it
     again (`layout_spans`)."""
-    layout = tuple((k, v.shape, _DTYPE_NAMES.get(v.dtype) or v.dtype.name)
+    layout = tuple((k, v.shape, _DTYPE_NAMES.get(v.dtype) or _four_byte_name(k, v))
                    for k, v in batch.items())
     ints = [v.view(np.int32).ravel() for v in batch.values() if v.dtype != np.float32]
     floats = [v.view(np.int32).ravel() for v in batch.values() if v.dtype == np.float32]
     return np.concatenate(ints + floats), layout
+
+
+def _four_byte_name(name: str, value: np.ndarray) -> str:
+    """The dtype name of an array the int32 buffer can carry (its offsets count 4-byte
+    elements)."""
+    if value.dtype.itemsize != 4:
+        raise TypeError(f"step array {name!r} is {value.dtype}: the flat buffer takes "
+                        f"4-byte dtypes only")
+    return value.dtype.name
 
 
 class PackedStep(NamedTuple):

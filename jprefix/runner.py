@@ -356,14 +356,14 @@ class ModelRunner:
                     self.params, self._kv_cache, flat_in, self._last_tokens,
                     layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
                     greedy=greedy, cascade=plan is not None, mesh=self.mesh)
+                # Queue the copy to the host now, so the tokens may be on the host already
+                # when the engine asks (async scheduling fetches a step's tokens after
+                # dispatching the next one) instead of the copy starting only then. (In the
+                # TTFT runs, which fetch at once, it made no measurable difference.)
+                tokens.copy_to_host_async()
             except Exception as exc:
                 self._failed = exc
                 raise
-            # Queue the copy to the host now, so the tokens may be on the host already when
-            # the engine asks (async scheduling fetches a step's tokens after dispatching
-            # the next one) instead of the copy starting only then. (In the TTFT runs,
-            # which fetch at once, it made no measurable difference: docs/PERF.md.)
-            tokens.copy_to_host_async()
             self._last_tokens = tokens
             return tokens
 

@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
+    if args.ttft_only and args.ttft_reps < 1:
+        ap.error("--ttft-only measures nothing with --ttft-reps < 1")
 
     model = load(args.model, dtype=args.dtype, load_format=args.load_format)
     prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,

@@ -1,6 +1,7 @@
 """Step packing: slots follow block tables, padding goes to the null block, shapes bucket."""
 
 import numpy as np
+import pytest
 
 from jprefix.batch import BucketConfig, bucket, flatten_batch, pack_step
 from jprefix.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ def test_flatten_batch_round_trips_through_one_buffer():
         assert back[name].dtype == value.dtype, name
         np.testing.assert_array_equal(np.asarray(back[name]).view(np.uint32),
                                       value.view(np.uint32), err_msg=name)
+    with pytest.raises(TypeError, match="'wide' is int64"):  # offsets count 4-byte items
+        flatten_batch(batch | {"wide": np.zeros(3, np.int64)})
 
 
 def test_block_table_array_follows_the_list_through_growth_and_replacement():
