@@ -46,11 +46,11 @@ job_sweep() {  # SWEEP_ARGS is shell words, quotes honoured: --only "llama3-8b B
 }
 job_engine() {
   run engine 290 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
-    --ttft-reps 3 --output-json "$OUT/engine.json"
+    --ttft-reps 9 --output-json "$OUT/engine.json"
 }
 job_engine_cascade() {
   run engine_cascade 230 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
-    --skip-off --compare-cascade --ttft-reps 3 --output-json "$OUT/engine_cascade.json"
+    --skip-off --compare-cascade --ttft-reps 9 --output-json "$OUT/engine_cascade.json"
 }
 job_ttft() {  # TTFT and batch-1 decode: command buffers off (jprefix's default), then
   # on with the step's inputs refilled in place (fixed addresses), then on with fresh inputs
