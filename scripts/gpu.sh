@@ -11,6 +11,8 @@
 #             ($PROFILE_ARGS, e.g. --top-kernels 60)
 #   ttft      bench_engine.py --ttft-only, XLA command buffers off / on with fixed
 #             input buffers / on with fresh ones                              ~4 min
+#   ttft_gemm TTFT with XLA's exhaustive GEMM tiling search; its autotune results
+#             loaded into a second process (not yet run)                  ~8 min?
 #   launch    probe_launch.py: host cost of one kernel launch, XLA vs torch eager/graph
 #   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
@@ -61,6 +63,17 @@ job_ttft() {  # TTFT and batch-1 decode: command buffers off (jprefix's default)
     --output-json "$OUT/ttft_cb_fixed.json"
   JPREFIX_XLA_COMMAND_BUFFERS=1 run ttft_cb_fresh 200 "${a[@]}" --fixed-inputs off \
     --output-json "$OUT/ttft_cb_fresh.json"
+}
+job_ttft_gemm() {  # TTFT with XLA's exhaustive GEMM tiling search, then its autotune
+  # results loaded into a second process (picks that do not change between processes)
+  local a=(python3 scripts/bench_engine.py --model llama-2-7b --ttft-only --skip-off
+           --ttft-reps ${TTFT_REPS:-9})
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exhaustive_tiling_search=true \
+    --xla_gpu_dump_autotune_results_to=$OUT/autotune.txt" JAX_COMPILATION_CACHE_DIR= \
+    run ttft_exhaustive 400 "${a[@]}" --output-json "$OUT/ttft_exhaustive.json"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_load_autotune_results_from=$OUT/autotune.txt" \
+    JAX_COMPILATION_CACHE_DIR= run ttft_loaded 200 "${a[@]}" \
+    --output-json "$OUT/ttft_loaded.json"
 }
 job_profile() {
   run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
