@@ -26,12 +26,20 @@ SCRIPT = textwrap.dedent("""
     prompts = [shared + rng.integers(3, 200, n).tolist() for n in (3, 7, 12)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = {}
-    for tp in (1, 2):
+    for tp, fixed in ((1, False), (2, False), (2, True)):
         llm = LLM(tiny, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
                   attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1,
-                  unroll_layers=backend == "xla")  # both layer layouts: GPU unrolls
-        out[tp] = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
-                                                      use_tqdm=False)]
+                  unroll_layers=backend == "xla",  # both layer layouts: GPU unrolls
+                  fixed_inputs=fixed)
+        tokens = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
+                                                    use_tqdm=False)]
+        if fixed:  # the refilled input buffers sit on both devices, whole on each
+            bufs = list(llm.engine.runner.fixed_inputs._buffers.values())
+            assert bufs and all(len(b.sharding.device_set) == 2
+                                and b.sharding.is_fully_replicated for b in bufs), bufs
+            assert tokens == out[2], (tokens, out[2])
+            continue
+        out[tp] = tokens
         if tp == 2:
             k = llm.engine.runner.kv_cache[0]
             assert len(k.sharding.device_set) == 2, k.sharding
