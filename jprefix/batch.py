@@ -7,6 +7,7 @@ the reserved null block 0 and padding sequences have q_len = kv_len = 0.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -225,16 +226,19 @@ def pack_flat(batch: dict[str, np.ndarray]) -> PackedStep:
     return PackedStep(*flatten_batch(batch), batch)
 
 
-def layout_spans(layout: Layout):
+@functools.lru_cache(maxsize=256)  # (a steady decode step asks for the same layout)
+def layout_spans(layout: Layout) -> tuple[tuple[str, tuple[int, ...], str, int, int], ...]:
     """Where `flatten_batch` put each array: (name, shape, dtype, start, size), in layout
     order; the float32 arrays start after all the others."""
     sizes = [(name, shape, dtype, math.prod(shape)) for name, shape, dtype in layout]
     offsets = {False: 0,
                True: sum(size for _, _, dtype, size in sizes if dtype != "float32")}
+    spans = []
     for name, shape, dtype, size in sizes:
         is_float = dtype == "float32"
-        yield name, shape, dtype, offsets[is_float], size
+        spans.append((name, shape, dtype, offsets[is_float], size))
         offsets[is_float] += size
+    return tuple(spans)
 
 
 def flat_views(flat: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
@@ -324,8 +328,9 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
     known = starts < num_known
     ids, src = a["token_ids"], a["token_src"]
     ids[:n], src[:n] = 0, -1
-    for i in np.flatnonzero(known).tolist():
-        ids[i] = last.token_lists[i][start_list[i]]
+    known_rows = np.flatnonzero(known).tolist()
+    if known_rows:  # (synchronous scheduling: the newest tokens are known)
+        ids[known_rows] = [last.token_lists[i][start_list[i]] for i in known_rows]
     pending = np.flatnonzero(~known).tolist()
     if pending:
         src[pending] = [seqs[i].pending_row for i in pending]
