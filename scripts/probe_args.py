@@ -8,8 +8,6 @@ device inside the call) or are on the device already.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +15,7 @@ import numpy as np
 
 import jprefix  # noqa: F401  (the engine's XLA settings)
 from scripts.bench_throughput import write_json
+from scripts.probe_launch import issue_and_whole
 
 
 @jax.jit
@@ -26,14 +25,9 @@ def _call(leaves, ints, floats):
 
 def time_call(leaves, ints, floats, reps: int) -> float:
     """Median host microseconds of the call (the device work is a few tiny kernels)."""
-    _call(leaves, ints, floats).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = _call(leaves, ints, floats)
-        times.append(time.perf_counter() - t)
-        out.block_until_ready()
-    return statistics.median(times) * 1e6
+    issue, _ = issue_and_whole(lambda: _call(leaves, ints, floats), jax.block_until_ready,
+                               reps)
+    return issue * 1e6
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -23,18 +21,7 @@ from jprefix import LLM, load  # noqa: E402
 from jprefix.batch import flatten_batch, pack_step  # noqa: E402
 from jprefix.runner import step  # noqa: E402
 from scripts.bench_step import fake_decode_batch  # noqa: E402
-
-
-def timed(call, reps: int) -> tuple[float, float]:
-    call().block_until_ready()
-    dispatch, whole = [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = call()
-        dispatch.append(time.perf_counter() - t)
-        out.block_until_ready()
-        whole.append(time.perf_counter() - t)
-    return statistics.median(dispatch) * 1e3, statistics.median(whole) * 1e3
+from scripts.probe_launch import issue_and_whole  # noqa: E402
 
 
 def _run_step(runner, prev, kw, flat):
@@ -69,7 +56,7 @@ def main() -> None:
         same = functools.partial(run, jax.device_put(flat))
 
         for name, call in (("fresh host inputs", fresh), ("same device inputs", same)):
-            d, w = timed(call, args.reps)
+            d, w = (1e3 * x for x in issue_and_whole(call, jax.block_until_ready, args.reps))
             print(f"batch {b:4d} {name:20s}: dispatch {d:6.2f} ms, step {w:6.2f} ms "
                   f"[XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}]", flush=True)
 

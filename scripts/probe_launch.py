@@ -21,16 +21,16 @@ import jprefix  # noqa: F401  (sets XLA's flags as the engine runs them, before 
 from scripts.bench_throughput import write_json  # (run with PYTHONPATH=$PWD)
 
 
-def _timed(call, sync, reps: int) -> tuple[float, float]:
-    """Median (host seconds to issue, seconds until the device is done) per call."""
-    call()
-    sync()
+def issue_and_whole(call, wait, reps: int) -> tuple[float, float]:
+    """Median (host seconds until `call()` returns, seconds until `wait(its result)` does)
+    over `reps` calls, after one warm-up call. The probes' shared timer."""
+    wait(call())
     issue, whole = [], []
     for _ in range(reps):
         t = time.perf_counter()
-        call()
+        out = call()
         issue.append(time.perf_counter() - t)
-        sync()
+        wait(out)
         whole.append(time.perf_counter() - t)
     return statistics.median(issue), statistics.median(whole)
 
@@ -65,12 +65,8 @@ def probe_xla(n: int, reps: int) -> dict:
                 x = jax.lax.optimization_barrier(op(x))
             return x
 
-        f, out = jax.jit(chain), {}
-
-        def call(f=f, x=x, out=out):
-            out["y"] = f(x)
-
-        issue, whole = _timed(call, lambda out=out: out["y"].block_until_ready(), reps)
+        f = jax.jit(chain)
+        issue, whole = issue_and_whole(lambda f=f, x=x: f(x), jax.block_until_ready, reps)
         result[kind] = dict(kernels=count, issue_us_per_kernel=issue / count * 1e6,
                             whole_us_per_kernel=whole / count * 1e6)
     return result
@@ -91,7 +87,7 @@ def probe_torch(n: int, reps: int) -> dict | None:
             y = torch.sin(y)
         return y
 
-    eager = _timed(chain, torch.cuda.synchronize, reps)
+    eager = issue_and_whole(chain, lambda _: torch.cuda.synchronize(), reps)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -100,7 +96,7 @@ def probe_torch(n: int, reps: int) -> dict | None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain()
-    replay = _timed(graph.replay, torch.cuda.synchronize, reps)
+    replay = issue_and_whole(graph.replay, lambda _: torch.cuda.synchronize(), reps)
     return dict(kernels=n, eager_issue_us_per_kernel=eager[0] / n * 1e6,
                 eager_whole_us_per_kernel=eager[1] / n * 1e6,
                 graph_issue_us=replay[0] * 1e6, graph_whole_us_per_kernel=replay[1] / n * 1e6)
