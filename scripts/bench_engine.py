@@ -68,18 +68,27 @@ def run_throughput(llm: LLM, prompts, prefix_len, output_len: int) -> dict:
     )
 
 
+def timed_request(llm: LLM, prompt: list[int], prefix_len: int, sp: SamplingParams,
+                  cached: bool, i: int):
+    """(seconds, output) of one request alone, its prefix cached first (by a request of
+    the prefix and a token of its own, `i`-th of a series) or the cache empty."""
+    llm.reset_prefix_cache()
+    if cached:
+        llm.generate([prompt[:prefix_len] + [11 + i]], SamplingParams(
+            temperature=0, max_tokens=1, ignore_eos=True), prefix_pos=prefix_len,
+            use_tqdm=False)
+    start = time.perf_counter()
+    out = llm.generate([prompt], sp, prefix_pos=prefix_len, use_tqdm=False)[0]
+    return time.perf_counter() - start, out
+
+
 def run_ttft(llm: LLM, prompt: list[int], prefix_len: int, cached: bool, reps: int) -> float:
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
     for i in range(reps + 2):
-        llm.reset_prefix_cache()
-        if cached:
-            llm.generate([prompt[:prefix_len] + [11 + i]], sp, prefix_pos=prefix_len,
-                         use_tqdm=False)
-        start = time.perf_counter()
-        out = llm.generate([prompt], sp, prefix_pos=prefix_len, use_tqdm=False)[0]
+        seconds, out = timed_request(llm, prompt, prefix_len, sp, cached, i)
         if i >= 2:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
             block = llm.engine.args.block_size
             expect = prefix_len // block * block if cached else 0
             assert out.num_cached_tokens == expect, (out.num_cached_tokens, expect)
@@ -90,19 +99,14 @@ def run_tpot(llm: LLM, prompt: list[int], prefix_len: int, output_len: int, reps
     """Milliseconds per output token after the first, one request alone (batch-1 decode):
     the median over `reps` of (time for output_len tokens - time for 1) / (output_len - 1),
     with the prefix cached both times."""
-    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    sp1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     per_token = []
     for i in range(reps + 1):  # the first compiles the decode step
         times = []
-        for params in (sp1, sp):
-            llm.reset_prefix_cache()
-            llm.generate([prompt[:prefix_len] + [11 + i]], sp1, prefix_pos=prefix_len,
-                         use_tqdm=False)
-            start = time.perf_counter()
-            out = llm.generate([prompt], params, prefix_pos=prefix_len, use_tqdm=False)[0]
-            times.append(time.perf_counter() - start)
-            assert len(out.token_ids) == params.max_tokens
+        for n in (1, output_len):
+            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            seconds, out = timed_request(llm, prompt, prefix_len, sp, True, i)
+            assert len(out.token_ids) == n
+            times.append(seconds)
         if i:
             per_token.append((times[1] - times[0]) / (output_len - 1))
     return statistics.median(per_token) * 1e3
