@@ -13,6 +13,8 @@
 #             input buffers / on with fresh ones                              ~4 min
 #   ttft_gemm TTFT with XLA's exhaustive GEMM tiling search; its autotune results
 #             loaded into a second process (not yet run)                  ~8 min?
+#   gemm      bench_gemm.py: few-row matmuls of a 7B layer, skinny_matmul's tiling
+#             sweep vs XLA ($GEMM_ARGS, e.g. --rows 128 --only o,down)           ~5 min
 #   launch    probe_launch.py: host cost of one kernel launch, XLA vs torch eager/graph
 #   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
@@ -75,6 +77,9 @@ job_ttft_gemm() {  # TTFT with XLA's exhaustive GEMM tiling search, then its aut
     JAX_COMPILATION_CACHE_DIR= run ttft_loaded 200 "${a[@]}" \
     --output-json "$OUT/ttft_loaded.json"
 }
+job_gemm() {
+  run gemm 420 python3 scripts/bench_gemm.py ${GEMM_ARGS:-} --output-json "$OUT/gemm.json"
+}
 job_profile() {
   run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
     ${PROFILE_ARGS:-} --output-json "$OUT/profile.json"
@@ -128,7 +133,7 @@ job_e() {
     --output-json "$OUT/e_sharegpt.json"
 }
 
-if [ $# -eq 0 ]; then sed -n '2,19p' "$0"; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,23p' "$0"; exit 2; fi
 for job in "$@"; do
   if ! declare -F "job_$job" > /dev/null; then echo "unknown job: $job" >&2; exit 2; fi
 done

@@ -1,0 +1,141 @@
+"""Matmul for few rows (M <= a few hundred): x [M, K] @ w [K, N], the weights streamed once.
+
+A step of one short prompt (time to first token) or of a small decode batch multiplies
+~100 rows by each weight matrix, so the cost is reading the weights (Llama-2-7B: 13.5 GB,
+~3.1 ms at 4.3 TB/s). One program owns `block_n` output columns and all M rows: it walks
+the K axis in `block_k` steps (Triton pipelines the weight loads) and keeps the [M,
+block_n] accumulator in registers, so each weight byte is read once and x (M x K, a few
+hundred KB) comes from L2. Few output columns (the attention output and down projections
+of a 7B model have N = 4,096) would leave most SMs idle, so the K axis can also be split
+over `k_splits` programs, whose float32 partials the wrapper sums (XLA fuses that sum
+with whatever follows, e.g. the residual add).
+
+`act="silu_mul"` fuses the gated MLP: w is [gate | up] ([K, 2F]) and the output is
+silu(x @ gate) * (x @ up) [M, F]; a program loads the matching columns of both halves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+ACTIVATIONS = (None, "silu_mul")
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTiling:
+    """Launch parameters: output columns per program, K per inner step, K splits."""
+
+    block_n: int = 64
+    block_k: int = 128
+    k_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    evict_first: bool = True  # weight loads hint evict_first (each byte is read once)
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None,
+                   num_rows: int, k_per_split: int, up_offset: int):
+    """x_ref [M, K], w_ref [K, N_w], o_ref [M, N_out] (k_splits 1) or [k_splits * M, N_out]
+    float32 partials; program (j, s) computes columns j*block_n.. over K split s."""
+    j, s = pl.program_id(0), pl.program_id(1)
+    bn, bk = tiling.block_n, tiling.block_k
+    n0 = pl.multiple_of(j * bn, bn)
+    k_lo = s * k_per_split
+    hint = "evict_first" if tiling.evict_first else None
+
+    def load_w(k0, col0):
+        return plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], eviction_policy=hint)
+
+    def body(i, accs):
+        k0 = pl.multiple_of(k_lo + i * bk, bk)
+        x = x_ref[:, pl.ds(k0, bk)]  # [M, bk]
+        out = [accs[0] + jnp.dot(x, load_w(k0, n0), preferred_element_type=jnp.float32)]
+        if act == "silu_mul":
+            up = load_w(k0, up_offset + n0)
+            out.append(accs[1] + jnp.dot(x, up, preferred_element_type=jnp.float32))
+        return tuple(out)
+
+    zeros = jnp.zeros((num_rows, bn), jnp.float32)
+    accs = lax.fori_loop(0, k_per_split // bk, body, (zeros,) * (1 + (act == "silu_mul")))
+    if tiling.k_splits > 1:
+        o_ref[pl.ds(s * num_rows, num_rows), pl.ds(n0, bn)] = accs[0]
+        return
+    if act == "silu_mul":  # gate and up rounded as two matmul outputs would be, then f32
+        gate = accs[0].astype(o_ref.dtype).astype(jnp.float32)
+        up = accs[1].astype(o_ref.dtype).astype(jnp.float32)
+        result = gate * jax.nn.sigmoid(gate) * up
+    else:
+        result = accs[0]
+    o_ref[:, pl.ds(n0, bn)] = result.astype(o_ref.dtype)
+
+
+def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: MatmulTiling
+                        ) -> None:
+    """Raises ValueError naming the shape, dtype or tiling value the kernel cannot take."""
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"x {x.shape} and w {w.shape} must both be 2-D")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
+    if x.dtype != w.dtype or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x ({x.dtype}) and w ({w.dtype}) must share a float dtype")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act {act!r} is not one of {ACTIVATIONS}")
+    m, k = x.shape
+    n = w.shape[1] // (2 if act == "silu_mul" else 1)
+    if m % 16:
+        raise ValueError(f"x has {m} rows: a multiple of 16 is needed (pad the rows)")
+    if n % tiling.block_n or (act == "silu_mul" and w.shape[1] % 2):
+        raise ValueError(f"output columns {n} (w {w.shape}, act {act}) are not a multiple of "
+                         f"block_n {tiling.block_n}")
+    if k % (tiling.block_k * tiling.k_splits):
+        raise ValueError(f"K {k} is not a multiple of block_k {tiling.block_k} x k_splits "
+                         f"{tiling.k_splits}")
+    if act == "silu_mul" and tiling.k_splits != 1:
+        raise ValueError(f"act {act!r} needs k_splits 1 (got {tiling.k_splits}): the "
+                         "activation needs the whole sum")
+
+
+@functools.partial(jax.jit, static_argnames=("act", "tiling", "interpret"))
+def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
+                  tiling: MatmulTiling = MatmulTiling(), interpret: bool = False
+                  ) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation); with
+    `act="silu_mul"`, w is [K, 2F] and the result silu(x @ w[:, :F]) * (x @ w[:, F:])."""
+    check_matmul_inputs(x, w, act, tiling)
+    m, k = x.shape
+    n = w.shape[1] // (2 if act == "silu_mul" else 1)
+    splits = tiling.k_splits
+    out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if splits == 1
+                 else jax.ShapeDtypeStruct((splits * m, n), jnp.float32))
+    kernel = functools.partial(_matmul_kernel, tiling=tiling, act=act, num_rows=m,
+                               k_per_split=k // splits, up_offset=n)
+    out = pl.pallas_call(
+        kernel,
+        grid=(n // tiling.block_n, splits),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                             num_stages=tiling.num_stages),
+        name=f"skinny_matmul_n{tiling.block_n}_k{tiling.block_k}_s{splits}"
+             + ("_silu" if act else ""),
+    )(x, w)
+    if splits == 1:
+        return out
+    return out.reshape(splits, m, n).sum(axis=0).astype(x.dtype)
+
+
+def skinny_matmul_reference(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:
+    """The same in plain jnp (float32 accumulation, the matmul outputs in x's dtype)."""
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if act != "silu_mul":
+        return y
+    gate, up = jnp.split(y.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)

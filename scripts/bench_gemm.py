@@ -1,0 +1,169 @@
+"""Few-row matmuls of a Llama-2-7B layer: pallas_kernels.skinny_matmul against XLA's own.
+
+A step of one ~100-token prompt (time to first token) or of a small decode batch
+multiplies M <= 256 rows by each weight matrix; its cost is streaming the weights. For
+each projection and M this sweeps the kernel's tiling (output columns per program and K
+splits first, then K step, pipeline stages and warps for the best two), checks each
+against XLA's result, and reports device time per matmul (kernel busy time from a
+profiler trace, bench_kernels.device_times) for XLA and the best tiling, as TB/s of
+weights read and against the 4.3 TB/s copy floor. Each timed call multiplies by
+`copies` distinct weights (>= 256 MB in all), so the L2 cache cannot hold them between
+calls, as in the model where every layer has its own.
+
+    PYTHONPATH=$PWD python scripts/bench_gemm.py --output-json out/gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.skinny_matmul import (
+    MatmulTiling,
+    check_matmul_inputs,
+    skinny_matmul,
+    skinny_matmul_reference,
+)
+from scripts.bench_kernels import device_times, rel_err
+
+COPY_FLOOR_TBS = 4.3
+# name: (K, N of w, act) for Llama-2-7B (E 4096, F 11008; w_gate holds [gate | up])
+SHAPES = {"qkv": (4096, 12288, None), "o": (4096, 4096, None),
+          "gate_up": (4096, 22016, "silu_mul"), "down": (11008, 4096, None)}
+SMOKE_SHAPES = {"qkv": (256, 384, None), "gate_up": (256, 256, "silu_mul"),
+                "down": (512, 128, None)}
+
+
+def xla_op(x, w, act):
+    """What models/llama.py runs without the kernel."""
+    y = x @ w
+    if act != "silu_mul":
+        return y
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def stage1(act, smoke):
+    blocks = (16, 32) if smoke else (32, 64, 128)
+    splits = (1,) if act else (1, 2, 4, 8)
+    bk = 64 if smoke else 128
+    return [MatmulTiling(block_n=bn, block_k=bk, k_splits=s) for bn, s in
+            itertools.product(blocks, splits)]
+
+
+def stage2(best, smoke):
+    steps = ((32, 2), (64, 3)) if smoke else ((64, 6), (128, 3), (128, 5), (256, 3))
+    return [MatmulTiling(block_n=t.block_n, block_k=bk, k_splits=t.k_splits,
+                         num_stages=st, num_warps=nw)
+            for t in best for (bk, st), nw in itertools.product(steps, (4, 8))]
+
+
+def time_matmul(fn, x, ws, interpret, device=False, calls=20):
+    """Seconds per matmul: with `device`, kernel busy time from a profiler trace; else
+    the wall time of back-to-back calls (each call's kernels outlast its dispatch, so it
+    is close; the sweep uses it because a trace costs ~1 s)."""
+    dev = device_times(fn, x, ws, reps=5) if device and not interpret else None
+    if dev is not None:
+        return dev["busy_us"] * 1e-6 / len(ws)
+    jax.block_until_ready(fn(x, ws))
+    calls = 1 if interpret else calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn(x, ws)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls / len(ws)
+
+
+def bench_case(name, m, shape, args, interpret):
+    k, n, act = shape
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    copies = 1 if interpret else max(2, -(-256 * 2**20 // (k * n * 2)))
+    keys = jax.random.split(jax.random.key(m + n), copies + 1)
+    x = jax.random.normal(keys[0], (m, k), dtype)
+    ws = [(jax.random.normal(kk, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+          for kk in keys[1:]]
+    ref = skinny_matmul_reference(x, ws[0], act)
+    xla = jax.jit(lambda x, ws: [xla_op(x, w, act) for w in ws])
+    row = {"name": name, "m": m, "k": k, "n": n, "act": act, "copies": copies,
+           "weight_mb": k * n * 2 / 2**20, "floor_us": k * n * 2 / COPY_FLOOR_TBS / 1e6,
+           "xla_us": time_matmul(xla, x, ws, interpret, device=True) * 1e6,
+           "xla_wall_us": time_matmul(xla, x, ws, interpret) * 1e6,
+           "xla_err": rel_err(xla(x, ws[:1])[0], ref), "tried": []}
+
+    def ours(t):
+        return jax.jit(lambda x, ws: [skinny_matmul(x, w, act=act, tiling=t,
+                                                    interpret=interpret) for w in ws])
+
+    def run(tilings):
+        for t in tilings:
+            try:
+                check_matmul_inputs(x, ws[0], act, t)
+            except ValueError:
+                continue
+            fn = ours(t)
+            try:
+                err = rel_err(fn(x, ws[:1])[0], ref)
+                us = time_matmul(fn, x, ws, interpret) * 1e6 if err < 2e-2 else None
+            except Exception as exc:  # e.g. a tiling past the shared memory
+                row["tried"].append({"tiling": t.__dict__, "error": str(exc)[:200]})
+                continue
+            row["tried"].append({"tiling": t.__dict__, "us": us, "err": err})
+
+    run(stage1(act, args.smoke))
+    ok = sorted((r for r in row["tried"] if r.get("us")), key=lambda r: r["us"])
+    run(stage2([MatmulTiling(**r["tiling"]) for r in ok[:1]], args.smoke))
+    ok = sorted((r for r in row["tried"] if r.get("us")), key=lambda r: r["us"])
+    if ok:
+        row["best"] = ok[0]
+        best = MatmulTiling(**ok[0]["tiling"])
+        row["best_us"] = time_matmul(ours(best), x, ws, interpret, device=True) * 1e6
+    return row
+
+
+def line(row):
+    tbs = row["weight_mb"] * 2**20 / 1e12
+
+    def cell(us):
+        return f"{us:7.1f} us {tbs / (us * 1e-6):5.2f} TB/s" if us else "   (none)"
+    best = row.get("best", {}).get("tiling", {})
+    best = ", ".join(f"{k} {v}" for k, v in best.items() if k != "evict_first")
+    return (f"{row['name']:8s} M {row['m']:4d}  floor {row['floor_us']:6.1f} us  "
+            f"xla {cell(row['xla_us'])}  ours {cell(row.get('best_us'))}  ({best})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 128, 256])
+    ap.add_argument("--only", default="", help="comma-separated projections (default all)")
+    ap.add_argument("--smoke", action="store_true", help="small shapes, interpret mode")
+    ap.add_argument("--output-json")
+    args = ap.parse_args(argv)
+    interpret = args.smoke or jax.default_backend() == "cpu"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    names = [s for s in args.only.split(",") if s] or list(shapes)
+    results = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+               "date": time.strftime("%Y-%m-%d"), "rows": [], "errors": []}
+    for name, m in itertools.product(names, args.rows):
+        try:
+            row = bench_case(name, m, shapes[name], args, interpret)
+            results["rows"].append(row)
+            print(line(row), flush=True)
+        except Exception:
+            traceback.print_exc()
+            results["errors"].append(f"{name} M {m}: {traceback.format_exc()[-2000:]}")
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["errors"] else 0)
