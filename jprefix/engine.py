@@ -110,7 +110,7 @@ class LLMEngine:
         self._step_lock = threading.Lock()
         self._inflight: _InFlight | None = None  # dispatched, tokens not yet processed
         self._last_processed = 0.0
-        self._last_plan: tuple[list[Sequence], CascadePlan] | None = None  # _cascade_plan
+        self._last_plan: tuple[tuple[Sequence, ...], CascadePlan] | None = None  # _cascade_plan
         self._rng = np.random.default_rng(self.args.seed)
         self._ids = itertools.count()
 
@@ -218,9 +218,8 @@ class LLMEngine:
         t_fetched = time.perf_counter()
         scheduled = done.out.scheduled
         sampled, now = {}, time.monotonic()
-        for sc, t in zip(scheduled, tokens.tolist(), strict=True):
-            if sc.sample:
-                seq = sc.seq
+        for (seq, _, _, sample), t in zip(scheduled, tokens.tolist(), strict=True):
+            if sample:
                 sampled[seq.request_id] = t
                 if seq.first_token_time is None:
                     seq.first_token_time = now
@@ -239,10 +238,10 @@ class LLMEngine:
         if not (self.args.enable_cascade and self.args.enable_prefix_caching):
             self._last_plan = None  # (holds no finished sequences; settings re-read)
             return None
-        seqs = [sc.seq for sc in scheduled]
+        seqs, _, num_new, _ = zip(*scheduled, strict=True)  # (C-level columns)
         last = self._last_plan
         if (last is not None and last[0] == seqs  # (Sequence has identity equality)
-                and all(sc.num_new_tokens == 1 for sc in scheduled)):
+                and num_new.count(1) == len(num_new)):
             return last[1]
         plan = plan_cascade(scheduled, self.args.block_size,
                             self.scheduler.block_manager.ref_count,

@@ -18,6 +18,7 @@ newest token is pending decodes it from the previous step's device output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 from jprefix.block_manager import BlockManager
@@ -63,7 +64,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(map(attrgetter("num_new_tokens"), self.scheduled))
 
 
 class Scheduler:
@@ -125,16 +126,17 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs once per running sequence per step, so the common row (its tokens fit the
-        # blocks it holds) is committed inline, without `_commit`'s calls.
-        running, block_size = SequenceStatus.RUNNING, self.block_size
+        # blocks it holds) is committed inline, without `_commit`'s calls, and its row is
+        # made by tuple.__new__ (NamedTuple's own __new__ is Python code: 2-3x slower).
+        running, block_size, new = SequenceStatus.RUNNING, self.block_size, tuple.__new__
         caching, append = self.config.enable_prefix_caching, out.scheduled.append
         for seq in list(self.running.values()):
             if budget == 0:
                 break
             if seq.status is not running:  # preempted earlier this step
                 continue
-            start, tokens = seq.num_computed_tokens, seq.all_token_ids
-            scheduled_tokens = len(tokens) + seq.num_pending
+            start = seq.num_computed_tokens
+            scheduled_tokens = len(seq.all_token_ids) + seq.num_pending
             remaining = scheduled_tokens - start
             if remaining == 0 or scheduled_tokens >= seq.token_limit:
                 continue  # its pending token is its last, or the step before it runs
@@ -153,7 +155,7 @@ class Scheduler:
             sample = end == scheduled_tokens
             seq.num_computed_tokens = end
             seq.num_pending += sample
-            append(ScheduledSeq(seq, start, n, sample))
+            append(new(ScheduledSeq, (seq, start, n, sample)))
             budget -= n
         return budget
 
@@ -280,18 +282,20 @@ class Scheduler:
         """Applies a step's sampled tokens; returns the sequences they finished (not
         `output.ignored`, which were finished at schedule time). `sampled` maps
         request_id -> token for every `sample` entry."""
-        finished = []
-        for s in output.scheduled:
-            seq = s.seq
-            if not s.sample or seq.is_finished():  # (aborted or stopped since schedule)
+        finished, running = [], SequenceStatus.RUNNING
+        for seq, _, _, sample in output.scheduled:
+            # skips a sequence aborted or stopped since the schedule (a running one is not
+            # finished: the common row makes no call)
+            if not sample or seq.status is not running and seq.is_finished():
                 continue
             seq.num_pending -= 1
             token = sampled[seq.request_id]
-            seq.append_token(token)
+            tokens = seq.all_token_ids
+            tokens.append(token)
             # stop_ids: its stop_token_ids and (unless ignore_eos) the EOS ids, from `add`
             if token in seq.stop_ids and seq.num_output_tokens >= seq.sampling_params.min_tokens:
                 reason = "stop"
-            elif seq.num_tokens >= seq.token_limit:  # max_tokens reached
+            elif len(tokens) >= seq.token_limit:  # max_tokens reached
                 reason = "length"
             else:
                 continue

@@ -33,6 +33,9 @@ _UNFINISHED = tuple(s for s in SequenceStatus if s not in _FINISH_REASONS)
 class Sequence:
     """One request. Tokens `all_token_ids[:num_computed_tokens]` have K/V in the cache, in
     the physical blocks `block_table` (token i lives in block_table[i // block_size]).
+    `all_token_ids` (prompt + output) is the live list: read it; only `append_token` and
+    the scheduler's `update` grow it (a plain attribute, not a property: the scheduler
+    reads it once per row per step).
 
     `prefix_len` None is automatic prefix caching (every full block shareable); an int
     makes only the first `prefix_len // block_size` blocks shareable. `cache_salt`
@@ -58,7 +61,7 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self._token_ids = list(self.prompt_token_ids)  # prompt + output
+        self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_registered_blocks = 0  # leading blocks of block_table that are trie nodes
@@ -84,22 +87,17 @@ class Sequence:
         self._suffix_array: tuple[np.ndarray, int, np.ndarray] | None = None  # its suffix
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt + output tokens (the live list: read, do not mutate)."""
-        return self._token_ids
-
-    @property
     def output_token_ids(self) -> list[int]:
-        return self._token_ids[len(self.prompt_token_ids) :]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:
         """Known tokens plus those that steps in flight are sampling."""
-        return len(self._token_ids) + self.num_pending
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,10 +105,10 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     def append_token(self, token_id: int) -> None:
-        self._token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def is_finished(self) -> bool:
         return self.status not in _UNFINISHED  # (tuple identity test: no enum hashing)
