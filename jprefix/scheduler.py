@@ -125,9 +125,9 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # Runs once per running sequence per step, so the common row (its tokens fit the
-        # blocks it holds) is committed inline, without `_commit`'s calls, and its row is
-        # made by tuple.__new__ (NamedTuple's own __new__ is Python code: 2-3x slower).
+        # Runs once per running sequence per step, so a row is committed inline, without
+        # `_commit`'s calls, and made by tuple.__new__ (NamedTuple's own __new__ is
+        # Python code: 2-3x slower).
         running, block_size, new = SequenceStatus.RUNNING, self.block_size, tuple.__new__
         caching, append = self.config.enable_prefix_caching, out.scheduled.append
         for seq in list(self.running.values()):
@@ -143,11 +143,10 @@ class Scheduler:
             n = remaining if remaining < budget else budget
             end = start + n
             if end > len(seq.block_table) * block_size:  # needs blocks: may preempt
-                n = self._reserve_running(seq, n, out)
-                if n:
-                    append(self._commit(seq, n))
-                    budget -= n
-                continue
+                n = self._grow_running(seq, n, out)
+                if n == 0:
+                    continue
+                end = start + n
             if caching and end // block_size > seq.num_registered_blocks and (
                     seq.prefix_len is None  # (an explicit prefix registers only its blocks)
                     or seq.prefix_len >= (seq.num_registered_blocks + 1) * block_size):
@@ -159,8 +158,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
-        """Tokens of seq that fit (preempting later arrivals as needed); 0 if none."""
+    def _grow_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Takes the blocks for the next n tokens of seq, or for as many as fit after
+        preempting later arrivals as needed; returns how many (0: none, no blocks)."""
         while (fit := self._tokens_that_fit(seq, n)) == 0:
             victim = next(reversed(self.running.values()))
             if victim is seq and len(self.running) == 1:
@@ -170,6 +170,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return 0
+        self._allocate(seq, seq.num_computed_tokens + fit)
         return fit
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -220,16 +221,20 @@ class Scheduler:
         tokens), and counts the n tokens computed and a sampled one pending."""
         start = seq.num_computed_tokens
         end = start + n
-        table = seq.block_table
-        if end > len(table) * self.block_size:  # (a decode mostly fits its last block)
-            table.extend(self.block_manager.allocate(self.block_manager.blocks_for(end)
-                                                     - len(table)))
+        self._allocate(seq, end)
         if self.config.enable_prefix_caching:
             self._register(seq, end)
         sample = end == seq.num_scheduled_tokens
         seq.num_computed_tokens = end
         seq.num_pending += sample
         return ScheduledSeq(seq, start, n, sample)
+
+    def _allocate(self, seq: Sequence, end: int) -> None:
+        """Extends seq's block table to hold its first `end` tokens (they fit)."""
+        table = seq.block_table
+        if end > len(table) * self.block_size:
+            table.extend(self.block_manager.allocate(self.block_manager.blocks_for(end)
+                                                     - len(table)))
 
     def _register(self, seq: Sequence, end: int) -> None:
         """Inserts into the trie the shareable blocks of seq that its first `end` tokens
