@@ -8,6 +8,7 @@ the reserved null block 0 and padding sequences have q_len = kv_len = 0.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -141,10 +142,11 @@ def _sampling_constants(seqs: list, cache: PackCache | None) -> np.ndarray:
 class RowsCache:
     """The last `[S, M]` table `ragged_rows` built and the arrays of its rows: the next
     table with the same shape updates only the rows whose array changed (an int32 block
-    table array is replaced, never modified, when its list grows)."""
+    table array is replaced, never modified, when its list grows). A row is None after
+    `repack_decode` rewrote it from its list."""
 
     def __init__(self):
-        self.rows: list[np.ndarray] = []
+        self.rows: list[np.ndarray | None] = []
         self.table: np.ndarray | None = None
 
 
@@ -166,12 +168,19 @@ def ragged_rows(rows: Seq[np.ndarray], num_rows: int, min_width: int,
     else:
         out = np.zeros((num_rows, width), np.int32)
         if len(rows):
-            r = np.repeat(np.arange(len(rows)), lens)
-            c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens, lens)
-            out[r, c] = np.concatenate(rows)
+            _scatter(out, np.arange(len(rows)), 0, lens, np.concatenate(rows))
     if cache is not None:
         cache.rows, cache.table = list(rows), out
     return out
+
+
+def _scatter(out: np.ndarray, rows: np.ndarray, cols: Any, lens: np.ndarray,
+             values: Any) -> None:
+    """out[rows[k], cols[k] : cols[k] + lens[k]] = the next lens[k] of `values`, for
+    every k, in one scatter (`cols` an array, or one int for all)."""
+    r = np.repeat(rows, lens)
+    c = np.arange(len(r)) - np.repeat(np.cumsum(lens) - lens - cols, lens)
+    out[r, c] = values
 
 
 class PackCache:
@@ -293,7 +302,7 @@ def _changed_tables(seqs: tuple, last: DecodeStep) -> tuple[list[int], list, np.
     list and its length, by C-level passes: a table list only grows until it is replaced
     (see `Sequence.block_table_array`), so a row changed iff its list is another object
     or has another length (another object with the same blocks counts as unchanged:
-    its row and its array's values are the same)."""
+    its row is the same)."""
     lists = list(map(attrgetter("block_table"), seqs))
     lens = np.fromiter(map(len, lists), np.int64, len(lists))
     changed = lens != last.table_lens
@@ -308,7 +317,7 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
     when this step decodes one token of each of the same sequences, in the same order and
     under the same cascade plan (`plan.prefix_blocks`, or None), as the last packed step
     (which did the same), its buffers are the last step's advanced to the new positions,
-    with only the block-table rows that changed rewritten. Equals `pack_step` (+
+    with only the block-table entries that changed rewritten. Equals `pack_step` (+
     `pack_cascade`) array for array (`min_blocks` is the tables' bucket floor); None when
     the step is not such a step, a changed table moves a table's width bucket, or a
     group's first member no longer holds the group's prefix (pack afresh then)."""
@@ -324,42 +333,19 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
     num_known = np.fromiter(map(len, last.token_lists), np.int64, n)
     if not (starts <= num_known).all():  # more than one pending token: pack_step raises
         return None
-    changed, lists, lens = _changed_tables(seqs, last)
-    tables = list(cache.tables.rows)  # (the unchanged rows' arrays are still current)
-    for i in changed:
-        tables[i] = seqs[i].block_table_array()
     flat = last.packed.flat.copy()
     a = flat_views(flat, last.packed.layout)
-    bt = a["block_tables"]
-    suffix = {}  # changed rows' suffix tables, under a cascade plan
-    if changed:  # the widths are the bucketed longest rows, as pack_step has them
-        if bucket(int(lens.max()), min_blocks) != bt.shape[1]:
-            return None
-    if changed and plan is not None:
-        prefix_blocks = plan.prefix_blocks
-        suffix = {i: seqs[i].block_table_suffix(prefix_blocks[i]) for i in changed}
-        longest = int((lens - np.asarray(prefix_blocks, np.int64)).max())
-        if bucket(longest, min_blocks) != a["suffix_block_tables"].shape[1]:
-            return None
-        firsts = np.cumsum([0, *plan.group_sizes[:-1]]).tolist()  # pack_cascade's source
-        for g, i in enumerate(firsts):  # of each group's prefix table
-            p = prefix_blocks[i]
-            if i in suffix and (len(tables[i]) < p or (
-                    tables[i][:p] != a["prefix_block_tables"][g, :p]).any()):
-                return None
-    for i in changed:
-        bt[i] = 0
-        bt[i, : len(tables[i])] = tables[i]
-    cache.tables.rows, cache.tables.table = tables, bt
-    last.table_lists, last.table_lens = lists, lens
-
-    pos = a["positions"]
+    if not _advance_tables(a, seqs, plan, min_blocks, cache):
+        return None
+    bt, pos = a["block_tables"], a["positions"]
     delta = starts - pos[:n]
     pos[:n] = starts
     a["kv_lens"][:n] = starts + 1
     a["counters"][:n] += delta
     a["slot_mapping"][:n] = (bt[np.arange(n), starts // block_size] * block_size
                              + starts % block_size)
+    if plan is not None:
+        a["suffix_kv_lens"][:n] += delta
     known = starts < num_known
     ids, src = a["token_ids"], a["token_src"]
     ids[:n] = 0
@@ -371,15 +357,75 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
         src[:n] = np.where(known, -1, rows)
     else:
         src[:n] = -1
-    if plan is not None:
-        st = a["suffix_block_tables"]
-        rows = list(cache.suffix_tables.rows)
-        for i, row in suffix.items():
-            st[i] = 0
-            st[i, : len(row)] = row
-            rows[i] = row
-        cache.suffix_tables.rows, cache.suffix_tables.table = rows, st
-        a["suffix_kv_lens"][:n] += delta
     packed = PackedStep(flat, last.packed.layout, a)
     last.packed = packed
     return packed
+
+
+def _advance_tables(a: dict[str, np.ndarray], seqs: tuple, plan: Any, min_blocks: int,
+                    cache: PackCache) -> bool:
+    """Brings the last step's block tables in `a` (and, under a cascade plan, its suffix
+    tables) up to the rows' tables now, writing only their new entries; False (nothing
+    written) when a width bucket moves or a group's first row lost the group's prefix.
+    The rewritten rows' arrays in the `RowsCache`s become None (rewritten on the next
+    fresh pack)."""
+    last = cache.decode
+    changed, lists, lens = _changed_tables(seqs, last)
+    if not changed:
+        return True
+    bt = a["block_tables"]
+    if bucket(int(lens.max()), min_blocks) != bt.shape[1]:
+        return False
+    # entries of each changed row that are still right: all it had, if its list only grew
+    old_lens = last.table_lens[changed]
+    same = np.fromiter((lists[i] is last.table_lists[i] for i in changed), bool, len(changed))
+    kept = np.where(same & (lens[changed] > old_lens), old_lens, 0).tolist()
+    if plan is not None:
+        skip = [plan.prefix_blocks[i] for i in changed]
+        st = a["suffix_block_tables"]
+        longest = int((lens - np.asarray(plan.prefix_blocks, np.int64)).max())
+        if (bucket(longest, min_blocks) != st.shape[1]
+                or not _groups_keep_prefixes(a["prefix_block_tables"], plan, lists, changed)):
+            return False
+        _extend_rows(st, changed, [lists[i] for i in changed], skip,
+                     [max(k - p, 0) for k, p in zip(kept, skip, strict=True)])
+        _forget_rows(cache.suffix_tables, changed, st)
+    _extend_rows(bt, changed, [lists[i] for i in changed], [0] * len(changed), kept)
+    _forget_rows(cache.tables, changed, bt)
+    last.table_lists, last.table_lens = lists, lens
+    return True
+
+
+def _groups_keep_prefixes(prefix_tables: np.ndarray, plan: Any, lists: list,
+                          changed: list[int]) -> bool:
+    """Whether each group's first row (`pack_cascade`'s source of the group's prefix
+    table), if its table changed, still starts with the group's prefix blocks."""
+    firsts = np.cumsum([0, *plan.group_sizes[:-1]]).tolist()
+    changed_rows = set(changed)
+    for g, i in enumerate(firsts):
+        p = plan.prefix_blocks[i]
+        if i in changed_rows and lists[i][:p] != prefix_tables[g, :p].tolist():
+            return False
+    return True
+
+
+def _extend_rows(table: np.ndarray, rows: list[int], lists: list, skip: list[int],
+                 kept: list[int]) -> None:
+    """Makes row rows[k] of `table` hold lists[k][skip[k]:] (left-aligned, zeros after)
+    when its first kept[k] entries already do and the rest is zero if kept[k] > 0: the
+    rows that keep nothing are zeroed, then the new entries go in by one scatter."""
+    renewed = [r for r, k in zip(rows, kept, strict=True) if k == 0]
+    if renewed:
+        table[renewed] = 0
+    tails = [lst[s + k :] for lst, s, k in zip(lists, skip, kept, strict=True)]
+    lens = np.fromiter(map(len, tails), np.int64, len(tails))
+    _scatter(table, np.asarray(rows), np.asarray(kept), lens,
+             list(itertools.chain.from_iterable(tails)))
+
+
+def _forget_rows(cache: RowsCache, rows: list[int], table: np.ndarray) -> None:
+    """`table` is the cache's table now, with `rows` rewritten from lists (no arrays)."""
+    cached = list(cache.rows)
+    for i in rows:
+        cached[i] = None
+    cache.rows, cache.table = cached, table
