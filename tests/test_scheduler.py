@@ -319,17 +319,32 @@ requests = st.lists(
 )
 
 
+# a random workload's scheduler settings (and its requests)
+WORKLOAD = dict(async_=st.booleans(), reqs=requests, block_size=st.sampled_from([2, 4]),
+                num_blocks=st.integers(4, 32), budget=st.integers(1, 32),
+                caching=st.booleans())
+
+
+def workload_seqs(reqs: list[Request]) -> list[Sequence]:
+    seqs = []
+    for i, r in enumerate(reqs):
+        prompt = PREFIXES[r.prefix] + r.tail
+        sp = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+        prefix_len = len(PREFIXES[r.prefix]) if r.explicit else None
+        seqs.append(Sequence(f"r{i}", prompt, sp, prefix_len=prefix_len, cache_salt=r.salt))
+    return seqs
+
+
+def arrive_and_abort(sched: Scheduler, reqs: list[Request], seqs: list[Sequence], t: int):
+    for r, s in zip(reqs, seqs, strict=True):
+        if r.arrive == t:
+            sched.add(s)
+        if r.abort == t and r.arrive < t:
+            sched.abort(s.request_id)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    async_=st.booleans(),
-    reqs=requests,
-    block_size=st.sampled_from([2, 4]),
-    num_blocks=st.integers(4, 32),
-    budget=st.integers(1, 32),
-    max_num_seqs=st.integers(1, 6),
-    chunked=st.booleans(),
-    caching=st.booleans(),
-)
+@given(**WORKLOAD, max_num_seqs=st.integers(1, 6), chunked=st.booleans())
 def test_random_workload_completes_with_balanced_refs(
     async_, reqs, block_size, num_blocks, budget, max_num_seqs, chunked, caching
 ):
@@ -337,18 +352,9 @@ def test_random_workload_completes_with_balanced_refs(
                          max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                          enable_prefix_caching=caching)
     stepper = AsyncStepper(sched, runner) if async_ else None
-    seqs = []
-    for i, r in enumerate(reqs):
-        prompt = PREFIXES[r.prefix] + r.tail
-        sp = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
-        prefix_len = len(PREFIXES[r.prefix]) if r.explicit else None
-        seqs.append(Sequence(f"r{i}", prompt, sp, prefix_len=prefix_len, cache_salt=r.salt))
+    seqs = workload_seqs(reqs)
     for t in range(2000):
-        for r, s in zip(reqs, seqs, strict=True):
-            if r.arrive == t:
-                sched.add(s)
-            if r.abort == t and r.arrive < t:
-                sched.abort(s.request_id)
+        arrive_and_abort(sched, reqs, seqs, t)
         busy = stepper.busy() if stepper else sched.has_unfinished()
         if t > max(r.arrive for r in reqs) and not busy:
             break
@@ -429,14 +435,7 @@ def schedule_state(sched: Scheduler, out) -> tuple:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    async_=st.booleans(),
-    reqs=requests,
-    block_size=st.sampled_from([2, 4]),
-    num_blocks=st.integers(4, 32),
-    budget=st.integers(1, 32),
-    caching=st.booleans(),
-)
+@given(**WORKLOAD)
 def test_inline_running_rows_schedule_as_commit_does(async_, reqs, block_size, num_blocks,
                                                       budget, caching):
     """The inline commit of running rows (with the blocks a row needs taken first) gives
@@ -449,19 +448,11 @@ def test_inline_running_rows_schedule_as_commit_does(async_, reqs, block_size, n
         if reference:
             sched._schedule_running = lambda out, b, s=sched: commit_every_running_row(s, out, b)
         pairs.append((sched, AsyncStepper(sched, runner) if async_ else None, runner))
-    seqs = [[Sequence(f"r{i}", PREFIXES[r.prefix] + r.tail,
-                      SamplingParams(temperature=0, max_tokens=r.max_tokens,
-                                     ignore_eos=r.ignore_eos),
-                      prefix_len=len(PREFIXES[r.prefix]) if r.explicit else None,
-                      cache_salt=r.salt) for i, r in enumerate(reqs)] for _ in pairs]
+    seqs = [workload_seqs(reqs) for _ in pairs]
     for t in range(2000):
         states = []
         for (sched, stepper, runner), mine in zip(pairs, seqs, strict=True):
-            for r, s in zip(reqs, mine, strict=True):
-                if r.arrive == t:
-                    sched.add(s)
-                if r.abort == t and r.arrive < t:
-                    sched.abort(s.request_id)
+            arrive_and_abort(sched, reqs, mine, t)
             out = stepper.step()[0] if stepper else step(sched, runner)[0]
             states.append(schedule_state(sched, out))
         assert states[0] == states[1], f"step {t}"
