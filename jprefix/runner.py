@@ -38,7 +38,14 @@ from jprefix.cascade import CascadePlan, pack_cascade
 from jprefix.parallel import REPLICATED, kv_sharding, per_shard, shard_params
 from jprefix.sampling import sample
 from models.config import ModelConfig
-from models.llama import compute_logits, forward, fuse_projections, unstack_layers
+from models.llama import (
+    LinearFn,
+    compute_logits,
+    dense_linear,
+    forward,
+    fuse_projections,
+    unstack_layers,
+)
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import (
@@ -46,6 +53,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
+from pallas_kernels.skinny_matmul import SKINNY_MIN_PROGRAMS, skinny_matmul, skinny_tiling
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
 
@@ -57,6 +65,8 @@ class StepHandle(NamedTuple):
     tokens: concurrent.futures.Future
     num_rows: int
     order: list[int] | None
+
+
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
 
@@ -83,6 +93,27 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
                                      interpret=interpret)
     return paged_attention(*args, scale=scale, interpret=interpret,
                            max_q_len=1 if decode else None)
+
+
+def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
+    """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
+    columns; one device), XLA's elsewhere. Interpret mode takes the kernel on every
+    shape it accepts, so that the CPU tests run it."""
+    if backend == "xla" or mesh is not None:
+        return dense_linear
+    interpret = backend == "pallas-interpret"
+    min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
+
+    def linear(x, w, act=None):
+        n = w.shape[1] // (2 if act == "silu_mul" else 1)
+        x2 = x.reshape(-1, x.shape[-1])
+        tiling = skinny_tiling(*x2.shape, n, act, min_programs=min_programs)
+        if tiling is None or x.dtype != w.dtype:
+            return dense_linear(x, w, act)
+        out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
+        return out.reshape(*x.shape[:-1], n)
+
+    return linear
 
 
 def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
@@ -131,7 +162,8 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
         out, k_cache, v_cache = local(q, k, v, *cache, layer, batch)
         return out, (k_cache, v_cache)
 
-    hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn)
+    hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
+                               _linear(backend, mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     if greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -22,6 +22,18 @@ from models.config import ModelConfig
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
 AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+# linear(x [..., in], w [in, out], act) -> [..., out]; act "silu_mul": w holds [gate | up]
+# and the result is silu(x @ gate) * (x @ up) [..., out / 2]
+LinearFn = Callable[..., jax.Array]
+
+
+def dense_linear(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:
+    """The model's matmuls as XLA runs them (the default `LinearFn`)."""
+    y = x @ w
+    if act != "silu_mul":
+        return y
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 @jax.tree_util.register_dataclass
@@ -145,43 +157,46 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn
+         ) -> tuple[jax.Array, ...]:
     lead, d = h.shape[:-1], cfg.head_dim
     if lp.wk is None:  # fused [wq | wk | wv]
-        qkv = h @ lp.wq
+        qkv = linear(h, lp.wq)
         if lp.bq is not None:
             qkv = qkv + lp.bq
         hd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
         q, k, v = qkv[..., :hd], qkv[..., hd : hd + kd], qkv[..., hd + kd :]
     else:
-        q, k, v = h @ lp.wq, h @ lp.wk, h @ lp.wv
+        q, k, v = linear(h, lp.wq), linear(h, lp.wk), linear(h, lp.wv)
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     return (q.reshape(*lead, cfg.num_heads, d), k.reshape(*lead, cfg.num_kv_heads, d),
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
-def _mlp(h: jax.Array, lp: LayerParams) -> jax.Array:
+def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
     if lp.w_up is None:  # fused [w_gate | w_up]
-        gate, up = jnp.split(h @ lp.w_gate, 2, axis=-1)
+        act = linear(h, lp.w_gate, "silu_mul")
     else:
-        gate, up = h @ lp.w_gate, h @ lp.w_up
-    return (jax.nn.silu(gate) * up) @ lp.w_down
+        act = jax.nn.silu(linear(h, lp.w_gate)) * linear(h, lp.w_up)
+    return linear(act, lp.w_down)
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
-            cache: Any, attn_fn: AttnFn) -> tuple[jax.Array, Any]:
+            cache: Any, attn_fn: AttnFn, linear: LinearFn = dense_linear
+            ) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
     With stacked layers (`params.layers` a LayerParams) the layers run under lax.scan with
     `cache` in the carry; with a tuple of per-layer LayerParams (see `unstack_layers`) they
     are unrolled, which on GPU avoids slicing each layer's weights out of the stack (a copy
     per layer per step) and the while loop's per-iteration host round trip. Attention (and
-    any KV cache write) is delegated to `attn_fn(q, k, v, cache, layer)`.
+    any KV cache write) is delegated to `attn_fn(q, k, v, cache, layer)`, the layers'
+    matmuls to `linear` (default: XLA's).
     """
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
-                             attn_fn=attn_fn)
+                             attn_fn=attn_fn, linear=linear)
     if isinstance(params.layers, tuple):
         for i, lp in enumerate(params.layers):
             (x, cache), _ = body((x, cache), (lp, jnp.int32(i)))
@@ -192,14 +207,14 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
 
 
 def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
-           positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn):
+           positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn):
     x, cache = carry
     lp, layer = xs
-    q, k, v = _qkv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp, cfg)
+    q, k, v = _qkv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp, cfg, linear)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     out, cache = attn_fn(q, k, v, cache, layer)
-    x = x + out.astype(x.dtype).reshape(*x.shape[:-1], -1) @ lp.wo
-    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
+    x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
+    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear)
     return (x, cache), None
 
 

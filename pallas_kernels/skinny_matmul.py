@@ -27,6 +27,13 @@ from jax.experimental.pallas import triton as plgpu
 
 ACTIVATIONS = (None, "silu_mul")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Where the kernel beats XLA's matmul on the H200 (scripts/bench_gemm.py, docs/PERF.md):
+# at 16 rows, with >= 128 programs of 64 output columns (the 132 SMs busy without K
+# splits). At 128 rows XLA's is as fast or faster (x, re-read from L2 by every program,
+# costs as much as the weights there), and with fewer columns (a 7B model's attention
+# output and down projections) K splits did not pay.
+SKINNY_MAX_ROWS = 16
+SKINNY_MIN_PROGRAMS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +46,16 @@ class MatmulTiling:
     num_warps: int = 4
     num_stages: int = 4
     evict_first: bool = True  # weight loads hint evict_first (each byte is read once)
+
+
+def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
+                  min_programs: int = SKINNY_MIN_PROGRAMS) -> MatmulTiling | None:
+    """The tiling to multiply x [m, k] by a weight of n output columns (n = F for
+    silu_mul) with, or None where XLA's matmul is the faster choice (see above)."""
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
+    if m > SKINNY_MAX_ROWS or m % 16 or block_k is None or n % 64 or n // 64 < min_programs:
+        return None
+    return MatmulTiling(block_n=64, block_k=block_k, num_stages=3 if act else 4)
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None,

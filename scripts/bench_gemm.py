@@ -117,6 +117,8 @@ def bench_case(name, m, shape, args, interpret):
                 continue
             row["tried"].append({"tiling": t.__dict__, "us": us, "err": err})
 
+    if args.xla_only:
+        return row
     run(stage1(act, args.smoke))
     ok = sorted((r for r in row["tried"] if r.get("us")), key=lambda r: r["us"])
     run(stage2([MatmulTiling(**r["tiling"]) for r in ok[:1]], args.smoke))
@@ -143,6 +145,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 128, 256])
     ap.add_argument("--only", default="", help="comma-separated projections (default all)")
+    ap.add_argument("--xla-only", action="store_true", help="time XLA's matmuls only")
     ap.add_argument("--smoke", action="store_true", help="small shapes, interpret mode")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)

@@ -12,7 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.skinny_matmul import MatmulTiling, skinny_matmul, skinny_matmul_reference
+from pallas_kernels.skinny_matmul import (
+    MatmulTiling,
+    skinny_matmul,
+    skinny_matmul_reference,
+    skinny_tiling,
+)
 
 INTERPRET = jax.default_backend() == "cpu"
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}  # relative L2 error vs float64
@@ -78,3 +83,35 @@ def test_bad_inputs_raise_value_error(shapes, kwargs, match):
     x, w = (jnp.zeros(s, jnp.float32) for s in shapes)
     with pytest.raises(ValueError, match=match):
         skinny_matmul(x, w, interpret=INTERPRET, **kwargs)
+
+
+@pytest.mark.parametrize("m,k,n,act,expect", [
+    (16, 4096, 12288, None, MatmulTiling(block_n=64, block_k=128)),  # 7B fused Q/K/V
+    (16, 4096, 11008, "silu_mul", MatmulTiling(block_n=64, block_k=128, num_stages=3)),
+    (16, 4096, 4096, None, None),  # attention output: 64 programs, XLA's is faster
+    (32, 4096, 12288, None, None),  # past SKINNY_MAX_ROWS
+    (16, 4100, 12288, None, None),  # no K step divides 4,100
+])
+def test_skinny_tiling_picks_the_kernel_where_it_was_measured_faster(m, k, n, act, expect):
+    assert skinny_tiling(m, k, n, act) == expect
+
+
+def _pallas_calls(fn, *args):
+    return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
+    from jprefix.runner import _linear
+    from models.llama import dense_linear
+
+    linear = _linear("pallas-interpret", None)
+    rng = np.random.default_rng(1)
+    x, w = make(rng, 16, 64, 256, jnp.float32)
+    x3 = x.reshape(2, 8, 64)  # leading dims are flattened into rows
+    out = linear(x3, w, act)
+    assert _pallas_calls(lambda a, b: linear(a, b, act), x3, w) == 1
+    np.testing.assert_allclose(out, dense_linear(x3, w, act), rtol=2e-5, atol=2e-5)
+    big = jnp.zeros((64, 64), jnp.float32)  # 64 rows: XLA's matmul
+    assert _pallas_calls(lambda a, b: linear(a, b, act), big, w) == 0
+    assert _pallas_calls(lambda a, b: _linear("xla", None)(a, b, act), x, w) == 0

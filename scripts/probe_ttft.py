@@ -1,0 +1,116 @@
+"""Probe: where the time of one cached time-to-first-token request goes, without a
+profiler (whose tracer inflates host spans). Host clock stamps, median over reps:
+
+  dispatch    generate() called -> runner.dispatch entered (validate, schedule)
+  pack        dispatch entered -> returned (pack the step, queue its launch)
+  handoff     dispatch returned -> the jitted step called on the launch thread
+  enqueue     the jitted step call (argument handling, transfer, every kernel launched)
+  wait        jit call returned -> tokens on the host (device work still queued + D2H)
+  finish      tokens on the host -> generate() returns (postprocess, outputs)
+
+Variants in one process: as shipped; with Python's thread switch interval at 50 us
+(`sys.setswitchinterval`, default 5 ms: the launch thread waits for the GIL while the
+engine thread runs Python).
+
+    PYTHONPATH=$PWD python scripts/probe_ttft.py --model llama-2-7b --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import jprefix.runner as runner_mod
+from jprefix import LLM, SamplingParams, load
+from scripts.bench_engine import make_prompts, timed_request
+from scripts.bench_throughput import write_json
+
+SPANS = ("dispatch", "pack", "handoff", "enqueue", "wait", "finish")
+
+
+class Stamps:
+    """Wraps the runner's dispatch and fetch and the module's jitted step to stamp them."""
+
+    def __init__(self, runner):
+        self.t: dict[str, float] = {}
+        step, dispatch = runner_mod.step, runner.dispatch
+
+        def timed_step(*args, **kwargs):
+            self.t.setdefault("call", time.perf_counter())
+            out = step(*args, **kwargs)
+            self.t.setdefault("called", time.perf_counter())
+            return out
+
+        def timed_dispatch(*args, **kwargs):
+            self.t.setdefault("dispatch", time.perf_counter())
+            handle = dispatch(*args, **kwargs)
+            self.t.setdefault("dispatched", time.perf_counter())
+            return handle
+
+        def timed_fetch(handle):
+            tokens = np.asarray(handle.tokens.result())
+            self.t.setdefault("fetched", time.perf_counter())
+            out = tokens[: handle.num_rows]
+            if handle.order is None:
+                return out
+            unordered = np.empty_like(out)
+            unordered[handle.order] = out
+            return unordered
+
+        runner_mod.step = timed_step
+        runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+
+    def spans(self, start: float, end: float) -> dict[str, float]:
+        names = ("dispatch", "dispatched", "call", "called", "fetched")
+        t = [start, *(self.t[n] for n in names), end]
+        return {name: (b - a) * 1e3 for name, a, b in zip(SPANS, t, t[1:], strict=False)}
+
+
+def measure(llm: LLM, stamps: Stamps, prompt, prefix_len: int, reps: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rows = []
+    for i in range(reps + 2):
+        timed_request(llm, prompt, prefix_len, sp, True, i)  # caches the prefix (and warms)
+        stamps.t.clear()
+        start = time.perf_counter()
+        out = llm.generate([prompt], sp, prefix_pos=prefix_len, use_tqdm=False)[0]
+        end = time.perf_counter()
+        assert out.num_cached_tokens > 0
+        if i >= 2:
+            rows.append({"total": (end - start) * 1e3, **stamps.spans(start, end)})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--prefix-len", type=int, default=596)
+    ap.add_argument("--unique-len", type=int, default=104)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    model = load(args.model, load_format=args.load_format)
+    prompt = make_prompts(1, args.prefix_len, args.unique_len, model.config.vocab_size, 0)[0]
+    llm = LLM(model, num_kv_blocks=2048, max_num_seqs=256)
+    stamps = Stamps(llm.engine.runner)
+    results = {"model": args.model}
+    for name, interval in (("shipped", None), ("switch_50us", 5e-5), ("shipped_again", None)):
+        default = sys.getswitchinterval()
+        if interval:
+            sys.setswitchinterval(interval)
+        try:
+            results[name] = measure(llm, stamps, prompt, args.prefix_len, args.reps)
+        finally:
+            sys.setswitchinterval(default)
+        print(name, " ".join(f"{k} {v:.2f}" for k, v in results[name].items()), flush=True)
+    write_json(args.output_json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
