@@ -105,6 +105,7 @@ class LLMEngine:
         self._pending: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()
         self._live: dict[str, Sequence] = {}  # requests in the scheduler, by id
+        self._stop_watched: set[Sequence] = set()  # those of them with stop strings
         # (num_seqs, num_tokens, host_s, step_s, device_wait_s) of recent steps
         self.step_stats: collections.deque = collections.deque(maxlen=100_000)
         self._step_lock = threading.Lock()
@@ -268,6 +269,8 @@ class LLMEngine:
             seq = self._pending.popleft()
             self._live[seq.request_id] = seq
             self.scheduler.add(seq)
+            if seq.sampling_params.stop:
+                self._stop_watched.add(seq)
         aborted = []
         while self._aborts:
             seq = self._live.get(self._aborts.popleft())
@@ -279,6 +282,8 @@ class LLMEngine:
         """Finishes sequences whose output text now contains a stop string; the text
         grows incrementally (each token decoded once, in a short window)."""
         finished = []
+        if not self._stop_watched:  # (no unfinished request has a stop string)
+            return finished
         for sc in scheduled:
             seq = sc.seq
             stops = seq.sampling_params.stop
@@ -307,6 +312,7 @@ class LLMEngine:
         now = time.monotonic()
         for seq in finished:
             self._live.pop(seq.request_id, None)
+            self._stop_watched.discard(seq)
         return [self._output(seq, now) for seq in finished]
 
     def _output(self, seq: Sequence, now: float) -> RequestOutput:
