@@ -214,6 +214,17 @@ def test_sweep_attention_smoke(tmp_path):
     assert rc == 0 and len(rows) == 2 and all(r["rel_err"] < 2e-2 and r["seconds"] for r in rows)
 
 
+def test_bench_gemm_smoke(tmp_path):
+    # interpret mode, one projection: XLA and every tiling of the two-stage sweep checked
+    # against the reference, the best one kept, the JSON written
+    out = tmp_path / "gemm.json"
+    r = script("bench_gemm").main(["--smoke", "--rows", "16", "--only", "gate_up",
+                                   "--output-json", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert not r["errors"] and row["xla_err"] < 1e-5 and row["best"]["err"] < 1e-5
+    assert row["best_us"] > 0 and len([t for t in row["tried"] if "us" in t]) >= 2
+
+
 def test_bench_host_smoke():
     r = script("bench_host").main(["--num-prompts", "16", "--prefix-len", "64",
                                    "--unique-len", "8", "--steps", "10"])
