@@ -400,7 +400,7 @@ def _groups_keep_prefixes(prefix_tables: np.ndarray, plan: Any, lists: list,
                           changed: list[int]) -> bool:
     """Whether each group's first row (`pack_cascade`'s source of the group's prefix
     table), if its table changed, still starts with the group's prefix blocks."""
-    firsts = np.cumsum([0, *plan.group_sizes[:-1]]).tolist()
+    firsts = itertools.accumulate(plan.group_sizes[:-1], initial=0)
     changed_rows = set(changed)
     for g, i in enumerate(firsts):
         p = plan.prefix_blocks[i]
