@@ -246,7 +246,7 @@ def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
     (`jprefix.batch.repack_decode`)."""
     order = plan.order if plan is not None else None
     if order is not None:
-        scheduled = [scheduled[i] for i in order]
+        scheduled = list(map(scheduled.__getitem__, order))
     if cache is not None:
         packed = repack_decode(scheduled, plan, block_size, buckets.min_blocks, cache)
         if packed is not None:
@@ -275,9 +275,9 @@ def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
 def record_pending_rows(rows: Seq) -> None:
     """Each sampling row's index in the step's output: where the next step, dispatched
     before this one's tokens reach the host, reads the pending token."""
-    for row, sc in enumerate(rows):
-        if sc.sample:
-            sc.seq.pending_row = row
+    for row, (seq, _, _, sampled) in enumerate(rows):
+        if sampled:
+            seq.pending_row = row
 
 
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
