@@ -1,4 +1,5 @@
-"""Matmul for few rows (M <= a few hundred): x [M, K] @ w [K, N], the weights streamed once.
+"""Matmul for few rows (M a power of 2, up to a few hundred): x [M, K] @ w [K, N], the
+weights streamed once.
 
 A step of one short prompt (time to first token) or of a small decode batch multiplies
 ~100 rows by each weight matrix, so the cost is reading the weights (Llama-2-7B: 13.5 GB,
@@ -53,7 +54,8 @@ def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
     """The tiling to multiply x [m, k] by a weight of n output columns (n = F for
     silu_mul) with, or None where XLA's matmul is the faster choice (see above)."""
     block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
-    if m > SKINNY_MAX_ROWS or m % 16 or block_k is None or n % 64 or n // 64 < min_programs:
+    if (m > SKINNY_MAX_ROWS or m < 16 or m & (m - 1) or block_k is None or n % 64
+            or n // 64 < min_programs):
         return None
     return MatmulTiling(block_n=64, block_k=block_k, num_stages=3 if act else 4)
 
@@ -71,13 +73,16 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None
     def load_w(k0, col0):
         return plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], eviction_policy=hint)
 
+    # float32 inputs multiply in full precision (Triton's default for them is TF32)
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+
     def body(i, accs):
         k0 = pl.multiple_of(k_lo + i * bk, bk)
         x = x_ref[:, pl.ds(k0, bk)]  # [M, bk]
-        out = [accs[0] + jnp.dot(x, load_w(k0, n0), preferred_element_type=jnp.float32)]
+        out = [accs[0] + dot(x, load_w(k0, n0))]
         if act == "silu_mul":
-            up = load_w(k0, up_offset + n0)
-            out.append(accs[1] + jnp.dot(x, up, preferred_element_type=jnp.float32))
+            out.append(accs[1] + dot(x, load_w(k0, up_offset + n0)))
         return tuple(out)
 
     zeros = jnp.zeros((num_rows, bn), jnp.float32)
@@ -107,8 +112,11 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
         raise ValueError(f"act {act!r} is not one of {ACTIVATIONS}")
     m, k = x.shape
     n = w.shape[1] // (2 if act == "silu_mul" else 1)
-    if m % 16:
-        raise ValueError(f"x has {m} rows: a multiple of 16 is needed (pad the rows)")
+    if m < 16 or m & (m - 1):  # (Triton's blocks have power-of-2 sizes)
+        raise ValueError(f"x has {m} rows: a power of 2 >= 16 is needed (pad the rows)")
+    if not all(b > 0 and b & (b - 1) == 0 for b in (tiling.block_n, tiling.block_k)):
+        raise ValueError(f"block_n {tiling.block_n} and block_k {tiling.block_k} must be "
+                         "powers of 2")
     if n % tiling.block_n or (act == "silu_mul" and w.shape[1] % 2):
         raise ValueError(f"output columns {n} (w {w.shape}, act {act}) are not a multiple of "
                          f"block_n {tiling.block_n}")
@@ -124,7 +132,8 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
 def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
                   tiling: MatmulTiling = MatmulTiling(), interpret: bool = False
                   ) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation); with
+    """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation; M a power of 2
+    >= 16, N a multiple of block_n, K of block_k x k_splits); with
     `act="silu_mul"`, w is [K, 2F] and the result silu(x @ w[:, :F]) * (x @ w[:, F:])."""
     check_matmul_inputs(x, w, act, tiling)
     m, k = x.shape

@@ -51,7 +51,7 @@ TILINGS = [MatmulTiling(block_n=32, block_k=64),
 @pytest.mark.parametrize("m,k,n,act,tiling,dtype", [
     (m, k, n, act, t, dt)
     for (m, k, n), act, t, dt in itertools.product(
-        [(16, 256, 64), (48, 128, 192), (128, 512, 64)], [None, "silu_mul"], TILINGS,
+        [(16, 256, 64), (32, 128, 192), (128, 512, 64)], [None, "silu_mul"], TILINGS,
         [jnp.float32, jnp.bfloat16])
     if not (act and t.k_splits > 1)
     and (n // (2 if act else 1)) % t.block_n == 0 and k % (t.block_k * t.k_splits) == 0
@@ -71,7 +71,9 @@ def test_reference_matches_numpy(act):
 
 @pytest.mark.parametrize("shapes,kwargs,match", [
     (((16, 64), (32, 64)), {}, "disagree on K"),
-    (((20, 64), (64, 64)), {}, "multiple of 16"),
+    (((20, 64), (64, 64)), {}, "power of 2 >= 16"),
+    (((48, 64), (64, 64)), {}, "power of 2 >= 16"),
+    (((16, 96), (96, 96)), {"tiling": MatmulTiling(block_n=48, block_k=32)}, "powers of 2"),
     (((16, 64), (64, 48)), {"tiling": MatmulTiling(block_n=32)}, "block_n 32"),
     (((16, 96), (96, 64)), {"tiling": MatmulTiling(block_n=32, block_k=64)}, "K 96"),
     (((16, 128), (128, 64)), {"act": "silu_mul",
@@ -115,3 +117,17 @@ def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
     big = jnp.zeros((64, 64), jnp.float32)  # 64 rows: XLA's matmul
     assert _pallas_calls(lambda a, b: linear(a, b, act), big, w) == 0
     assert _pallas_calls(lambda a, b: _linear("xla", None)(a, b, act), x, w) == 0
+
+
+@pytest.mark.skipif(INTERPRET, reason="the compiled kernel's shapes (a 7B layer) on a GPU")
+@pytest.mark.parametrize("n,act", [(12288, None), (2 * 11008, "silu_mul")])
+def test_runner_linear_on_gpu_matches_xla_on_a_7b_layer(n, act):
+    from jprefix.runner import _linear
+    from models.llama import dense_linear
+
+    x, w = make(np.random.default_rng(2), 16, 4096, n, jnp.bfloat16)
+    linear = _linear("pallas", None)
+    assert _pallas_calls(lambda a, b: linear(a, b, act), x, w) == 1
+    ref = np.asarray(dense_linear(x.astype(jnp.float32), w.astype(jnp.float32), act))
+    assert rel_err(linear(x, w, act), ref) < TOL[jnp.bfloat16]
+    assert rel_err(dense_linear(x, w, act), ref) < TOL[jnp.bfloat16]
