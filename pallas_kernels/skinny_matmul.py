@@ -160,7 +160,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
 
 def skinny_matmul_reference(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:
     """The same in plain jnp (float32 accumulation, the matmul outputs in x's dtype)."""
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = jnp.dot(x, w, precision=lax.Precision.HIGHEST,  # (GPU float32: not TF32)
+                preferred_element_type=jnp.float32).astype(x.dtype)
     if act != "silu_mul":
         return y
     gate, up = jnp.split(y.astype(jnp.float32), 2, axis=-1)
