@@ -32,16 +32,12 @@ class BucketConfig:
     """Lower bounds of the shape buckets, and the token count past which token buckets
     grow linearly: a step of 4,099 prefill tokens computes 4,608 rows, not 8,192 (such a
     step is compute-bound, so the padding costs its full share of time; a new bucket
-    costs one compilation). With `lone_seq`, a step of one sequence (a lone request's
-    prefill or decode) has a sequence bucket of its own, 1, instead of `min_seqs`: its
-    attention grid then has room for 1 sequence's tiles, not 8's (one compilation more
-    per token bucket)."""
+    costs one compilation)."""
 
     min_tokens: int = 16
     min_seqs: int = 8
     min_blocks: int = 4
     token_step: int | None = 512
-    lone_seq: bool = True
 
 
 def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
@@ -80,7 +76,7 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
     consts = _sampling_constants(seqs, cache)
     num_tokens = len(ids)
     T = bucket(num_tokens, buckets.min_tokens, buckets.token_step)
-    S = 1 if n == 1 and buckets.lone_seq else bucket(n, buckets.min_seqs)
+    S = bucket(n, buckets.min_seqs)
     block_tables = ragged_rows(tables, S, buckets.min_blocks,
                                None if cache is None else cache.tables)
 
