@@ -16,11 +16,10 @@ calls, as in the model where every layer has its own.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
-import json
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from pallas_kernels.skinny_matmul import (
     skinny_matmul,
     skinny_matmul_reference,
 )
-from scripts.bench_kernels import device_times, rel_err
+from scripts.bench_kernels import device_times, guarded, rel_err
 
 COPY_FLOOR_TBS = 4.3
 # name: (K, N of w, act) for Llama-2-7B (E 4096, F 11008; w_gate holds [gate | up])
@@ -154,17 +153,13 @@ def main(argv=None):
     names = [s for s in args.only.split(",") if s] or list(shapes)
     results = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                "date": time.strftime("%Y-%m-%d"), "rows": [], "errors": []}
+    def run(name, m):
+        row = bench_case(name, m, shapes[name], args, interpret)
+        results["rows"].append(row)
+        print(line(row), flush=True)
+
     for name, m in itertools.product(names, args.rows):
-        try:
-            row = bench_case(name, m, shapes[name], args, interpret)
-            results["rows"].append(row)
-            print(line(row), flush=True)
-        except Exception:
-            traceback.print_exc()
-            results["errors"].append(f"{name} M {m}: {traceback.format_exc()[-2000:]}")
-        if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+        guarded(results, f"{name} M {m}", functools.partial(run, name, m), args.output_json)
     return results
 
 

@@ -447,6 +447,20 @@ def table(results):
     return "\n".join(lines)
 
 
+def guarded(results: dict, label: str, fn, output_json: str | None) -> None:
+    """Runs fn(); a failure is printed and recorded in results["errors"] under `label`,
+    and the run goes on; the JSON is rewritten after each, so a timeout keeps what was
+    measured."""
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
+        results["errors"].append(f"{label}: {traceback.format_exc()[-2000:]}")
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-json")
@@ -458,14 +472,8 @@ def main(argv=None):
     sections = {"copy": bench_copy, "write_kv": bench_write_kv, "decode": bench_decode,
                 "prefill": bench_prefill, "mixed": check_mixed}
     for name in args.sections.split(","):
-        try:
-            sections[name](args.smoke, results)
-        except Exception:
-            traceback.print_exc()
-            results["errors"].append(f"{name}: {traceback.format_exc()[-2000:]}")
-        if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+        guarded(results, name, functools.partial(sections[name], args.smoke, results),
+                args.output_json)
     print(table(results))
     return 1 if results["errors"] else 0
 
