@@ -91,6 +91,8 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None
         o_ref[pl.ds(s * num_rows, num_rows), pl.ds(n0, bn)] = accs[0]
         return
     if act == "silu_mul":  # gate and up rounded as two matmul outputs would be, then f32
+        # (one rounding at the end: within one bf16 step of XLA's unfused ops, which round
+        # per op; not bit-equal to them, nor is XLA on CPU to XLA on a GPU)
         gate = accs[0].astype(o_ref.dtype).astype(jnp.float32)
         up = accs[1].astype(o_ref.dtype).astype(jnp.float32)
         result = gate * jax.nn.sigmoid(gate) * up
@@ -114,10 +116,14 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
     n = w.shape[1] // (2 if act == "silu_mul" else 1)
     if m < 16 or m & (m - 1):  # (Triton's blocks have power-of-2 sizes)
         raise ValueError(f"x has {m} rows: a power of 2 >= 16 is needed (pad the rows)")
-    if not all(b > 0 and b & (b - 1) == 0 for b in (tiling.block_n, tiling.block_k)):
+    if not all(b >= 16 and b & (b - 1) == 0 for b in (tiling.block_n, tiling.block_k)):
         raise ValueError(f"block_n {tiling.block_n} and block_k {tiling.block_k} must be "
-                         "powers of 2")
-    if n % tiling.block_n or (act == "silu_mul" and w.shape[1] % 2):
+                         "powers of 2 >= 16 (Triton's smallest dot)")
+    if tiling.k_splits < 1:
+        raise ValueError(f"k_splits {tiling.k_splits} must be >= 1")
+    if act == "silu_mul" and w.shape[1] % 2:
+        raise ValueError(f"w {w.shape} has an odd number of columns: silu_mul needs [gate | up]")
+    if n % tiling.block_n:
         raise ValueError(f"output columns {n} (w {w.shape}, act {act}) are not a multiple of "
                          f"block_n {tiling.block_n}")
     if k % (tiling.block_k * tiling.k_splits):
