@@ -145,6 +145,22 @@ def test_pallas_interpret_backend_matches_xla(tiny):
     assert outs["xla"] == outs["pallas-interpret"]
 
 
+def test_fused_projections_run_the_few_row_matmul_and_match_dense(tiny):
+    """Unrolled layers on one device fuse Q/K/V and gate/up (as on a GPU); with the Pallas
+    backend the 16-row decode steps run them (silu * up fused) in skinny_matmul: greedy
+    tokens equal the XLA backend's and the dense model's."""
+    rng = np.random.default_rng(13)
+    prompts = _prompts(rng, tiny.config.vocab_size, 8, [3, 6])
+    outs = {}
+    for backend in ("xla", "pallas-interpret"):
+        llm = LLM(tiny, block_size=BS, num_kv_blocks=32, attention_backend=backend,
+                  unroll_layers=True)
+        assert llm.engine.runner.params.layers[0].w_up is None  # fused
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, _greedy(3),
+                                                           use_tqdm=False)]
+    assert outs["xla"] == outs["pallas-interpret"] == [_dense(tiny, p, 3) for p in prompts]
+
+
 def test_mixed_steps_decode_rows_first_with_their_own_tiling(sharp_tiny):
     """Steps that mix decodes with prefill chunks (a small token budget) put the one-token
     rows first and attend them with the decode tiling: greedy tokens equal the XLA
