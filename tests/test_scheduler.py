@@ -417,7 +417,11 @@ def commit_every_running_row(sched: Scheduler, out, budget: int) -> int:
             continue
         n = min(remaining, budget)
         if s.num_computed_tokens + n > len(s.block_table) * sched.block_size:
-            n = sched._grow_running(s, n, out)
+            sched._allocate = lambda seq, end: None  # (the old path: `_commit` allocates)
+            try:
+                n = sched._grow_running(s, n, out)
+            finally:
+                del sched._allocate
         if n:
             out.scheduled.append(sched._commit(s, n))
             budget -= n
@@ -456,6 +460,8 @@ def test_inline_running_rows_schedule_as_commit_does(async_, reqs, block_size, n
             out = stepper.step()[0] if stepper else step(sched, runner)[0]
             states.append(schedule_state(sched, out))
         assert states[0] == states[1], f"step {t}"
+        for s in pairs[0][0].running.values():  # no row holds a block it does not need
+            assert len(s.block_table) == -(-s.num_computed_tokens // block_size), s
         sched, stepper, _ = pairs[0]
         if t > max(r.arrive for r in reqs) and not (
                 stepper.busy() if stepper else sched.has_unfinished()):
