@@ -97,8 +97,8 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
 
 def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
-    columns; one device), XLA's elsewhere. Interpret mode takes the kernel on every
-    shape it accepts, so that the CPU tests run it."""
+    columns; one device), XLA's elsewhere. Interpret mode takes the kernel for any number
+    of output columns (the rows' limit stays), so that the CPU tests' small models run it."""
     if backend == "xla" or mesh is not None:
         return dense_linear
     interpret = backend == "pallas-interpret"

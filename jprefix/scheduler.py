@@ -291,7 +291,7 @@ class Scheduler:
         for seq, _, _, sample in output.scheduled:
             # skips a sequence aborted or stopped since the schedule (a running one is not
             # finished: the common row makes no call)
-            if not sample or seq.status is not running and seq.is_finished():
+            if not sample or (seq.status is not running and seq.is_finished()):
                 continue
             seq.num_pending -= 1
             token = sampled[seq.request_id]

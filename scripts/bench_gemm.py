@@ -3,7 +3,7 @@
 A step of one ~100-token prompt (time to first token) or of a small decode batch
 multiplies M <= 256 rows by each weight matrix; its cost is streaming the weights. For
 each projection and M this sweeps the kernel's tiling (output columns per program and K
-splits first, then K step, pipeline stages and warps for the best two), checks each
+splits first, then K step, pipeline stages and warps for the best of those), checks each
 against XLA's result, and reports device time per matmul (kernel busy time from a
 profiler trace, bench_kernels.device_times) for XLA and the best tiling, as TB/s of
 weights read and against the 4.3 TB/s copy floor. Each timed call multiplies by
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.llama import dense_linear
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
     check_matmul_inputs,
@@ -39,15 +40,6 @@ SHAPES = {"qkv": (4096, 12288, None), "o": (4096, 4096, None),
           "gate_up": (4096, 22016, "silu_mul"), "down": (11008, 4096, None)}
 SMOKE_SHAPES = {"qkv": (256, 384, None), "gate_up": (256, 256, "silu_mul"),
                 "down": (512, 128, None)}
-
-
-def xla_op(x, w, act):
-    """What models/llama.py runs without the kernel."""
-    y = x @ w
-    if act != "silu_mul":
-        return y
-    gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.silu(gate) * up
 
 
 def stage1(act, smoke):
@@ -90,7 +82,7 @@ def bench_case(name, m, shape, args, interpret):
     ws = [(jax.random.normal(kk, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
           for kk in keys[1:]]
     ref = skinny_matmul_reference(x, ws[0], act)
-    xla = jax.jit(lambda x, ws: [xla_op(x, w, act) for w in ws])
+    xla = jax.jit(lambda x, ws: [dense_linear(x, w, act) for w in ws])
     row = {"name": name, "m": m, "k": k, "n": n, "act": act, "copies": copies,
            "weight_mb": k * n * 2 / 2**20, "floor_us": k * n * 2 / COPY_FLOOR_TBS / 1e6,
            "xla_us": time_matmul(xla, x, ws, interpret, device=True) * 1e6,

@@ -18,6 +18,7 @@ engine thread runs Python).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -63,6 +64,13 @@ class Stamps:
 
         runner_mod.step = timed_step
         runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+        self.restore = functools.partial(self._restore, runner, step)
+
+    @staticmethod
+    def _restore(runner, step) -> None:
+        """Puts the module's jitted step and the runner's own methods back."""
+        runner_mod.step = step
+        del runner.dispatch, runner.fetch  # (the instance attributes shadowed the methods)
 
     def spans(self, start: float, end: float) -> dict[str, float]:
         names = ("dispatch", "dispatched", "call", "called", "fetched")
@@ -99,15 +107,17 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(model, num_kv_blocks=2048, max_num_seqs=256)
     stamps = Stamps(llm.engine.runner)
     results = {"model": args.model}
-    for name, interval in (("shipped", None), ("switch_50us", 5e-5), ("shipped_again", None)):
-        default = sys.getswitchinterval()
-        if interval:
-            sys.setswitchinterval(interval)
-        try:
+    default = sys.getswitchinterval()
+    try:
+        for name, interval in (("shipped", None), ("switch_50us", 5e-5),
+                               ("shipped_again", None)):
+            sys.setswitchinterval(interval or default)
             results[name] = measure(llm, stamps, prompt, args.prefix_len, args.reps)
-        finally:
-            sys.setswitchinterval(default)
-        print(name, " ".join(f"{k} {v:.2f}" for k, v in results[name].items()), flush=True)
+            print(name, " ".join(f"{k} {v:.2f}" for k, v in results[name].items()),
+                  flush=True)
+    finally:
+        sys.setswitchinterval(default)
+        stamps.restore()
     write_json(args.output_json, results)
     return results
 
