@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from jprefix.batch import flatten_batch, pack_step
-from jprefix.runner import ModelRunner, step
+from jprefix.runner import ModelRunner
 from jprefix.scheduler import synthetic_rows
+from jprefix.step import step
 
 
 def compile_step(runner: ModelRunner, scheduled) -> jax.stages.Compiled:

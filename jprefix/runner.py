@@ -1,16 +1,11 @@
-"""Device side of the engine: the paged KV cache and the jitted step.
-
-`step(params, kv_cache, batch)` runs the model over the step's flat tokens: per layer it
-writes the new K/V into the paged cache at `slot_mapping`, then runs paged attention for
-every sequence (write-then-attend, so blocks written this step by one sequence can be read
-by another in the same step). The cache is donated and updated in place.
+"""The model runner (device side of the engine): the weights, the paged KV cache, and
+the dispatch of packed steps to the jitted `jprefix.step.step` on one launch thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
-import math
 import os
 import time
 import weakref
@@ -24,38 +19,18 @@ from jax.sharding import Mesh, NamedSharding
 
 from jprefix.batch import (
     BucketConfig,
-    Layout,
     PackCache,
     PackedStep,
     bucket,
-    layout_spans,
     pack_flat,
     pack_step,
-    remember_decode,
-    repack_decode,
 )
 from jprefix.cascade import CascadePlan, pack_cascade
-from jprefix.parallel import REPLICATED, kv_sharding, per_shard, shard_params
-from jprefix.sampling import sample
+from jprefix.parallel import REPLICATED, kv_sharding, shard_params
+from jprefix.repack import remember_decode, repack_decode
+from jprefix.step import BACKENDS, KVCache, default_backend, step
 from models.config import ModelConfig
-from models.llama import (
-    LinearFn,
-    compute_logits,
-    dense_linear,
-    forward,
-    fuse_projections,
-    unstack_layers,
-)
-from pallas_kernels.cascade_attention import cascade_attention
-from pallas_kernels.kv_cache import write_kv
-from pallas_kernels.paged_attention import (
-    mixed_paged_attention,
-    paged_attention,
-    paged_attention_reference,
-)
-from pallas_kernels.skinny_matmul import SKINNY_MIN_PROGRAMS, skinny_matmul, skinny_tiling
-
-KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
+from models.llama import fuse_projections, unstack_layers
 
 
 class StepHandle(NamedTuple):
@@ -65,112 +40,6 @@ class StepHandle(NamedTuple):
     tokens: concurrent.futures.Future
     num_rows: int
     order: list[int] | None
-
-
-BACKENDS = ("pallas", "xla", "pallas-interpret")
-
-
-def default_backend() -> str:
-    """Pallas on GPU; the XLA path (tested equal) elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, layer, batch,
-               scale):
-    if cascade:
-        return cascade_attention(
-            q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
-            batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
-            batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1,
-        )
-    args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
-    if backend == "xla":
-        return paged_attention_reference(*args, scale=scale)
-    interpret = backend == "pallas-interpret"
-    if "num_decode" in batch:  # a mixed step, its one-token rows first (`pack_rows`)
-        return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
-                                     interpret=interpret)
-    return paged_attention(*args, scale=scale, interpret=interpret,
-                           max_q_len=1 if decode else None)
-
-
-def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
-    """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
-    columns; one device), XLA's elsewhere. Interpret mode takes the kernel for any number
-    of output columns (the rows' limit stays), so that the CPU tests' small models run it."""
-    if backend == "xla" or mesh is not None:
-        return dense_linear
-    interpret = backend == "pallas-interpret"
-    min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
-
-    def linear(x, w, act=None):
-        n = w.shape[1] // (2 if act == "silu_mul" else 1)
-        x2 = x.reshape(-1, x.shape[-1])
-        tiling = skinny_tiling(*x2.shape, n, act, min_programs=min_programs)
-        if tiling is None or x.dtype != w.dtype:
-            return dense_linear(x, w, act)
-        out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
-        return out.reshape(*x.shape[:-1], n)
-
-    return linear
-
-
-def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-    """Inverse of `jprefix.batch.flatten_batch`, inside the jitted step."""
-    out = {}
-    for name, shape, dtype, start, size in layout_spans(layout):
-        part = flat[start : start + size]
-        if dtype != "int32":
-            part = jax.lax.bitcast_convert_type(part, jnp.dtype(dtype))
-        out[name] = part.reshape(shape)
-    return out
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh"),
-    donate_argnames=("kv_cache",),
-)
-def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
-         layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
-         greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None):
-    """One engine step: returns (sampled token ids [P], updated kv_cache), P =
-    `prev_tokens.size` (rows beyond the batch are padding).
-
-    The batch arrives as one flat int32 buffer (`flatten_batch`). Tokens still pending on
-    the host read their id from `prev_tokens`, the previous step's output (async
-    scheduling: this step was dispatched before that one's ids reached the host).
-    `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
-    `greedy` (every temperature is 0) skips the sampling machinery. `cascade` (the batch
-    carries jprefix.cascade's arrays) attends each group's shared prefix once. With a
-    tensor-parallel `mesh`, the KV write and attention run per device on its heads.
-    """
-    batch = unflatten_batch(flat, layout)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    src = batch["token_src"]
-    token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], batch["token_ids"])
-
-    def write_and_attend(q, k, v, k_cache, v_cache, layer, batch):
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
-        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
-        return out, k_cache, v_cache
-
-    local = per_shard(write_and_attend, mesh)
-
-    def attn_fn(q, k, v, cache, layer):
-        out, k_cache, v_cache = local(q, k, v, *cache, layer, batch)
-        return out, (k_cache, v_cache)
-
-    hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
-                               _linear(backend, mesh))
-    logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
-    if greedy:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                        batch["seeds"], batch["counters"])
-    return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache
 
 
 def xla_command_buffers_on() -> bool:
@@ -243,7 +112,7 @@ def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
     their count (`num_decode`), so attention runs them with the decode tiling
     (`mixed_paged_attention`). `cache` carries what the next step may reuse
     (`jprefix.batch.PackCache`), including a steady decode batch's last buffers
-    (`jprefix.batch.repack_decode`)."""
+    (`jprefix.repack.repack_decode`)."""
     order = plan.order if plan is not None else None
     if order is not None:
         scheduled = list(map(scheduled.__getitem__, order))

@@ -75,7 +75,7 @@ def test_pending_token_reads_the_previous_steps_output_row():
 
 
 def test_flatten_batch_round_trips_through_one_buffer():
-    from jprefix.runner import unflatten_batch
+    from jprefix.step import unflatten_batch
 
     scheduled = [_sched(range(100, 110), [5, 9, 2], 0, 10), _sched(range(7), [4], 6, 1)]
     batch = pack_step(scheduled, B, BucketConfig())
