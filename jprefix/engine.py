@@ -44,7 +44,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    attention_backend: str | None = None  # "pallas" | "xla" | "pallas-interpret"
+    # "pallas" | "xla" | "pallas-interpret": the attention kernels, and on few-row steps
+    # the fused matmuls (jprefix.step._linear); None: Pallas on GPU, XLA elsewhere
+    attention_backend: str | None = None
     unroll_layers: bool | None = None  # None: unrolled on GPU, lax.scan elsewhere
     enable_cascade: bool = True  # decode attends each shared prefix once per group
     cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off

@@ -21,8 +21,7 @@ from jprefix.batch import PackCache, PackedStep, RowsCache, bucket, flat_views, 
 class DecodeStep:
     """A packed step whose rows each decoded one token: its sequences (in row order),
     cascade plan, their token lists, their block-table lists and those lists' lengths
-    when packed (the lists whose arrays are the step's `RowsCache` rows), and its packed
-    buffers."""
+    when packed (what the step's table rows hold), and its packed buffers."""
 
     seqs: tuple
     plan: Any

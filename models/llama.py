@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,11 @@ from models.config import ModelConfig
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
 AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
-# linear(x [..., in], w [in, out], act) -> [..., out]; act "silu_mul": w holds [gate | up]
-# and the result is silu(x @ gate) * (x @ up) [..., out / 2]
-LinearFn = Callable[..., jax.Array]
+class LinearFn(Protocol):
+    """linear(x [..., in], w [in, out], act) -> [..., out]; with act "silu_mul", w holds
+    [gate | up] and the result is silu(x @ gate) * (x @ up) [..., out / 2]."""
+
+    def __call__(self, x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array: ...
 
 
 def dense_linear(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:

@@ -38,9 +38,13 @@ def main(argv: list[str] | None = None) -> dict:
         llm.reset_prefix_cache()
         for p in prompts:
             engine.add_sequence(engine.make_sequence(p, sp, 596))
-        while len(engine.scheduler.running) < args.num_prompts or any(
-                s.num_output_tokens < 8 for s in engine.scheduler.running.values()):
-            engine.step()  # prefill and the first decode steps
+        for _ in range(10_000):  # prefill and the first decode steps
+            if len(engine.scheduler.running) == args.num_prompts and all(
+                    s.num_output_tokens >= 8 for s in engine.scheduler.running.values()):
+                break
+            engine.step()
+        else:
+            raise RuntimeError("the prompts never all ran at once (too few KV blocks?)")
         engine.step_stats.clear()
         prof = cProfile.Profile()
         prof.enable()
