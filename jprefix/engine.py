@@ -107,7 +107,8 @@ class LLMEngine:
         self._pending: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()
         self._live: dict[str, Sequence] = {}  # requests in the scheduler, by id
-        self._stop_watched: set[Sequence] = set()  # those of them with stop strings
+        # those of them with stop strings, in arrival order (a dict used as a set)
+        self._stop_watched: dict[Sequence, None] = {}
         # (num_seqs, num_tokens, host_s, step_s, device_wait_s) of recent steps
         self.step_stats: collections.deque = collections.deque(maxlen=100_000)
         self._step_lock = threading.Lock()
@@ -227,7 +228,7 @@ class LLMEngine:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
         finished = self.scheduler.update(done.out, sampled)
-        finished += self._check_stop_strings(scheduled, sampled)
+        finished += self._check_stop_strings(sampled)
         self._record(done, t_fetched)
         return finished
 
@@ -272,7 +273,7 @@ class LLMEngine:
             self._live[seq.request_id] = seq
             self.scheduler.add(seq)
             if seq.sampling_params.stop:
-                self._stop_watched.add(seq)
+                self._stop_watched[seq] = None
         aborted = []
         while self._aborts:
             seq = self._live.get(self._aborts.popleft())
@@ -280,16 +281,15 @@ class LLMEngine:
                 aborted.append(seq)
         return aborted
 
-    def _check_stop_strings(self, scheduled, sampled) -> list[Sequence]:
-        """Finishes sequences whose output text now contains a stop string; the text
-        grows incrementally (each token decoded once, in a short window)."""
+    def _check_stop_strings(self, sampled) -> list[Sequence]:
+        """Finishes the sequences with stop strings that sampled a token this step
+        (`sampled`) and whose output text now contains one; the text grows incrementally
+        (each token decoded once, in a short window). Visits only the requests that have
+        stop strings, not every row of the step."""
         finished = []
-        if not self._stop_watched:  # (no unfinished request has a stop string)
-            return finished
-        for sc in scheduled:
-            seq = sc.seq
+        for seq in self._stop_watched:
             stops = seq.sampling_params.stop
-            if not stops or seq.request_id not in sampled or seq.is_finished():
+            if seq.request_id not in sampled or seq.is_finished():
                 continue
             if seq.detokenizer is None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -314,7 +314,7 @@ class LLMEngine:
         now = time.monotonic()
         for seq in finished:
             self._live.pop(seq.request_id, None)
-            self._stop_watched.discard(seq)
+            self._stop_watched.pop(seq, None)
         return [self._output(seq, now) for seq in finished]
 
     def _output(self, seq: Sequence, now: float) -> RequestOutput:
