@@ -23,8 +23,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import jprefix.runner as runner_mod
 from jprefix import LLM, SamplingParams, load
 from scripts.bench_engine import make_prompts, timed_request
@@ -38,33 +36,22 @@ class Stamps:
 
     def __init__(self, runner):
         self.t: dict[str, float] = {}
-        step, dispatch = runner_mod.step, runner.dispatch
-
-        def timed_step(*args, **kwargs):
-            self.t.setdefault("call", time.perf_counter())
-            out = step(*args, **kwargs)
-            self.t.setdefault("called", time.perf_counter())
-            return out
-
-        def timed_dispatch(*args, **kwargs):
-            self.t.setdefault("dispatch", time.perf_counter())
-            handle = dispatch(*args, **kwargs)
-            self.t.setdefault("dispatched", time.perf_counter())
-            return handle
-
-        def timed_fetch(handle):
-            tokens = np.asarray(handle.tokens.result())
-            self.t.setdefault("fetched", time.perf_counter())
-            out = tokens[: handle.num_rows]
-            if handle.order is None:
-                return out
-            unordered = np.empty_like(out)
-            unordered[handle.order] = out
-            return unordered
-
-        runner_mod.step = timed_step
-        runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+        step = runner_mod.step
+        runner_mod.step = self._stamped(step, "call", "called")
+        runner.dispatch = self._stamped(runner.dispatch, "dispatch", "dispatched")
+        runner.fetch = self._stamped(runner.fetch, None, "fetched")
         self.restore = functools.partial(self._restore, runner, step)
+
+    def _stamped(self, fn, before: str | None, after: str):
+        """fn, stamping the host clock as `before` and `after` its first call since the
+        stamps were cleared."""
+        def wrapper(*args, **kwargs):
+            if before:
+                self.t.setdefault(before, time.perf_counter())
+            out = fn(*args, **kwargs)
+            self.t.setdefault(after, time.perf_counter())
+            return out
+        return wrapper
 
     @staticmethod
     def _restore(runner, step) -> None:
