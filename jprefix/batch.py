@@ -176,7 +176,7 @@ def ragged_rows(rows: Seq[np.ndarray], num_rows: int, min_width: int,
 
 
 def scatter_runs(out: np.ndarray, rows: np.ndarray, cols: Any, lens: np.ndarray,
-             values: Any) -> None:
+                 values: Any) -> None:
     """out[rows[k], cols[k] : cols[k] + lens[k]] = the next lens[k] of `values`, for
     every k, in one scatter (`cols` an array, or one int for all)."""
     r = np.repeat(rows, lens)

@@ -166,7 +166,7 @@ def _extend_rows(table: np.ndarray, rows: list[int], lists: list, skip: list[int
     tails = [lst[s + k :] for lst, s, k in zip(lists, skip, kept, strict=True)]
     lens = np.fromiter(map(len, tails), np.int64, len(tails))
     scatter_runs(table, np.asarray(rows), np.asarray(kept), lens,
-             list(itertools.chain.from_iterable(tails)))
+                 list(itertools.chain.from_iterable(tails)))
 
 
 def _forget_rows(cache: RowsCache, rows: list[int], table: np.ndarray) -> None:

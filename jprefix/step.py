@@ -31,8 +31,6 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.skinny_matmul import SKINNY_MIN_PROGRAMS, skinny_matmul, skinny_tiling
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
-
-
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
 

@@ -22,6 +22,8 @@ from models.config import ModelConfig
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
 AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+
+
 class LinearFn(Protocol):
     """linear(x [..., in], w [in, out], act) -> [..., out]; with act "silu_mul", w holds
     [gate | up] and the result is silu(x @ gate) * (x @ up) [..., out / 2]."""

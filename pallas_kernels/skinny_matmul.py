@@ -46,7 +46,12 @@ class MatmulTiling:
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    evict_first: bool = True  # weight loads hint evict_first (each byte is read once)
+
+
+def _rows_ok(m: int) -> bool:
+    """Whether the kernel takes m rows: a power of 2 (Triton's block sizes) >= 16 (its
+    smallest dot)."""
+    return m >= 16 and m & (m - 1) == 0
 
 
 def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
@@ -54,7 +59,7 @@ def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
     """The tiling to multiply x [m, k] by a weight of n output columns (n = F for
     silu_mul) with, or None where XLA's matmul is the faster choice (see above)."""
     block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
-    if (m > SKINNY_MAX_ROWS or m < 16 or m & (m - 1) or block_k is None or n % 64
+    if (m > SKINNY_MAX_ROWS or not _rows_ok(m) or block_k is None or n % 64
             or n // 64 < min_programs):
         return None
     return MatmulTiling(block_n=64, block_k=block_k, num_stages=3 if act else 4)
@@ -68,10 +73,9 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None
     bn, bk = tiling.block_n, tiling.block_k
     n0 = pl.multiple_of(j * bn, bn)
     k_lo = s * k_per_split
-    hint = "evict_first" if tiling.evict_first else None
-
-    def load_w(k0, col0):
-        return plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], eviction_policy=hint)
+    def load_w(k0, col0):  # (each weight byte is read once: evict it first)
+        return plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)],
+                          eviction_policy="evict_first")
 
     # float32 inputs multiply in full precision (Triton's default for them is TF32)
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
@@ -114,7 +118,7 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
         raise ValueError(f"act {act!r} is not one of {ACTIVATIONS}")
     m, k = x.shape
     n = w.shape[1] // (2 if act == "silu_mul" else 1)
-    if m < 16 or m & (m - 1):  # (Triton's blocks have power-of-2 sizes)
+    if not _rows_ok(m):
         raise ValueError(f"x has {m} rows: a power of 2 >= 16 is needed (pad the rows)")
     if not all(b >= 16 and b & (b - 1) == 0 for b in (tiling.block_n, tiling.block_k)):
         raise ValueError(f"block_n {tiling.block_n} and block_k {tiling.block_k} must be "

@@ -127,7 +127,7 @@ def line(row):
     def cell(us):
         return f"{us:7.1f} us {tbs / (us * 1e-6):5.2f} TB/s" if us else "   (none)"
     best = row.get("best", {}).get("tiling", {})
-    best = ", ".join(f"{k} {v}" for k, v in best.items() if k != "evict_first")
+    best = ", ".join(f"{k} {v}" for k, v in best.items())
     return (f"{row['name']:8s} M {row['m']:4d}  floor {row['floor_us']:6.1f} us  "
             f"xla {cell(row['xla_us'])}  ours {cell(row.get('best_us'))}  ({best})")
 
