@@ -220,15 +220,8 @@ class LLMEngine:
         """Fetches a dispatched step's tokens and applies them; returns who finished."""
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
-        scheduled = done.out.scheduled
-        sampled, now = {}, time.monotonic()
-        for (seq, _, _, sample), t in zip(scheduled, tokens.tolist(), strict=True):
-            if sample:
-                sampled[seq.request_id] = t
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-        finished = self.scheduler.update(done.out, sampled)
-        finished += self._check_stop_strings(sampled)
+        finished = self.scheduler.update(done.out, tokens.tolist())
+        finished += self._check_stop_strings()
         self._record(done, t_fetched)
         return finished
 
@@ -281,20 +274,21 @@ class LLMEngine:
                 aborted.append(seq)
         return aborted
 
-    def _check_stop_strings(self, sampled) -> list[Sequence]:
-        """Finishes the sequences with stop strings that sampled a token this step
-        (`sampled`) and whose output text now contains one; the text grows incrementally
-        (each token decoded once, in a short window). Visits only the requests that have
-        stop strings, not every row of the step."""
+    def _check_stop_strings(self) -> list[Sequence]:
+        """Finishes the sequences with stop strings whose output grew (they sampled this
+        step) and whose text now contains one; the text grows incrementally (each token
+        decoded once, in a short window). Visits only the requests that have stop
+        strings, not every row of the step."""
         finished = []
         for seq in self._stop_watched:
             stops = seq.sampling_params.stop
-            if seq.request_id not in sampled or seq.is_finished():
-                continue
-            if seq.detokenizer is None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-            det = seq.detokenizer  # fed the output tokens it has not seen (the tail only)
-            delta = det.push(seq.all_token_ids[seq.num_prompt_tokens + len(det.ids) :])
+            det = seq.detokenizer
+            seen = seq.num_prompt_tokens + (0 if det is None else len(det.ids))
+            if len(seq.all_token_ids) == seen or seq.is_finished():
+                continue  # (no new token)
+            if det is None:
+                det = seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            delta = det.push(seq.all_token_ids[seen:])  # the tokens it has not seen
             if not delta:
                 continue
             since = max(0, len(det.text) - len(delta) - max(map(len, stops)) + 1)

@@ -17,6 +17,8 @@ newest token is pending decodes it from the previous step's device output.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import NamedTuple
@@ -283,24 +285,28 @@ class Scheduler:
 
     # -- update ----------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Applies a step's sampled tokens; returns the sequences they finished (not
-        `output.ignored`, which were finished at schedule time). `sampled` maps
-        request_id -> token for every `sample` entry."""
-        finished, running = [], SequenceStatus.RUNNING
-        for seq, _, _, sample in output.scheduled:
+    def update(self, output: SchedulerOutput, tokens: Seq[int]) -> list[Sequence]:
+        """Applies a step's sampled tokens, `tokens[i]` the one of row i of
+        `output.scheduled` (rows that do not `sample` are skipped); stamps each
+        sequence's first token time; returns the sequences they finished (not
+        `output.ignored`, which were finished at schedule time)."""
+        finished, running, now = [], SequenceStatus.RUNNING, time.monotonic()
+        for (seq, _, _, sample), token in zip(output.scheduled, tokens, strict=True):
+            if not sample:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             # skips a sequence aborted or stopped since the schedule (a running one is not
             # finished: the common row makes no call)
-            if not sample or (seq.status is not running and seq.is_finished()):
+            if seq.status is not running and seq.is_finished():
                 continue
             seq.num_pending -= 1
-            token = sampled[seq.request_id]
-            tokens = seq.all_token_ids
-            tokens.append(token)
+            ids = seq.all_token_ids
+            ids.append(token)
             # stop_ids: its stop_token_ids and (unless ignore_eos) the EOS ids, from `add`
             if token in seq.stop_ids and seq.num_output_tokens >= seq.sampling_params.min_tokens:
                 reason = "stop"
-            elif len(tokens) >= seq.token_limit:  # max_tokens reached
+            elif len(ids) >= seq.token_limit:  # max_tokens reached
                 reason = "length"
             else:
                 continue

@@ -43,9 +43,11 @@ class FakeRunner:
     def _slot(self, seq: Sequence, pos: int) -> tuple[int, int]:
         return seq.block_table[pos // self.block_size], pos % self.block_size
 
-    def execute(self, out, pending: dict[str, int] | None = None) -> dict[str, int]:
-        """`pending` holds the tokens sampled by the step before, not yet appended on the
-        host (async scheduling); the device reads them from that step's output."""
+    def execute(self, out, pending: dict[str, int] | None = None) -> list[int]:
+        """Each row's sampled token (-1 where it does not sample), as the runner returns
+        them. `pending` holds the tokens sampled by the step before, not yet appended on
+        the host (async scheduling), by request id; the device reads them from that
+        step's output."""
 
         def tokens(seq: Sequence, end: int) -> list[int]:
             ids = seq.all_token_ids[:end]
@@ -60,13 +62,12 @@ class FakeRunner:
             ids = tokens(s.seq, s.start + s.num_new_tokens)
             for pos in range(s.start, s.start + s.num_new_tokens):
                 self.slots[self._slot(s.seq, pos)] = (pos, ids[pos])
-        sampled = {}
+        sampled = []
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
             context = [self.slots[self._slot(s.seq, p)] for p in range(end)]
             assert context == list(enumerate(tokens(s.seq, end))), s.seq
-            if s.sample:
-                sampled[s.seq.request_id] = next_token([t for _, t in context])
+            sampled.append(next_token([t for _, t in context]) if s.sample else -1)
         return sampled
 
 
@@ -83,7 +84,10 @@ class AsyncStepper:
     def step(self):
         out = self.sched.schedule()
         check(self.sched)
-        sampled = self.runner.execute(out, self.inflight[1] if self.inflight else {})
+        pending = {} if self.inflight is None else {
+            s.seq.request_id: t for s, t in zip(self.inflight[0].scheduled, self.inflight[1],
+                                                strict=True) if s.sample}
+        sampled = self.runner.execute(out, pending)
         finished = list(out.ignored)
         if self.inflight is not None:
             finished += self.sched.update(*self.inflight)
