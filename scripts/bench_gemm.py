@@ -32,7 +32,7 @@ from pallas_kernels.skinny_matmul import (
     skinny_matmul,
     skinny_matmul_reference,
 )
-from scripts.bench_kernels import device_times, guarded, rel_err
+from scripts.bench_kernels import device_times, guarded, rel_err, timeit
 
 COPY_FLOOR_TBS = 4.3
 # name: (K, N of w, act) for Llama-2-7B (E 4096, F 11008; w_gate holds [gate | up])
@@ -59,18 +59,13 @@ def stage2(best, smoke):
 
 def time_matmul(fn, x, ws, interpret, device=False, calls=20):
     """Seconds per matmul: with `device`, kernel busy time from a profiler trace; else
-    the wall time of back-to-back calls (each call's kernels outlast its dispatch, so it
-    is close; the sweep uses it because a trace costs ~1 s)."""
+    the wall time of `calls` back-to-back calls (`bench_kernels.timeit`: each call's
+    kernels outlast its dispatch, so it is close; the sweep uses it because a trace
+    costs ~1 s)."""
     dev = device_times(fn, x, ws, reps=5) if device and not interpret else None
     if dev is not None:
         return dev["busy_us"] * 1e-6 / len(ws)
-    jax.block_until_ready(fn(x, ws))
-    calls = 1 if interpret else calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        out = fn(x, ws)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / calls / len(ws)
+    return timeit(fn, x, ws, reps=1, inner=1 if interpret else calls) / len(ws)
 
 
 def bench_case(name, m, shape, args, interpret):
