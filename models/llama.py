@@ -22,6 +22,10 @@ from models.config import ModelConfig
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
 AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+# qkv_attn_fn(qkv [..., (H+2K)*D] before RoPE, cache, layer) -> (out [...,H,D], cache):
+# attention that applies the rotary embedding itself (a fused kernel), given the fused
+# projection's output, columns [q heads | k heads | v heads]
+QKVAttnFn = Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
 
 class LinearFn(Protocol):
@@ -161,13 +165,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+def _fused_qkv(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
+    """[..., (H+2K)*D]: the fused projection (`lp.wq` holds [wq | wk | wv]) with its bias."""
+    qkv = linear(h, lp.wq)
+    return qkv if lp.bq is None else qkv + lp.bq
+
+
 def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn
          ) -> tuple[jax.Array, ...]:
     lead, d = h.shape[:-1], cfg.head_dim
     if lp.wk is None:  # fused [wq | wk | wv]
-        qkv = linear(h, lp.wq)
-        if lp.bq is not None:
-            qkv = qkv + lp.bq
+        qkv = _fused_qkv(h, lp, linear)
         hd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
         q, k, v = qkv[..., :hd], qkv[..., hd : hd + kd], qkv[..., hd + kd :]
     else:
@@ -187,8 +195,8 @@ def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
-            cache: Any, attn_fn: AttnFn, linear: LinearFn = dense_linear
-            ) -> tuple[jax.Array, Any]:
+            cache: Any, attn_fn: AttnFn, linear: LinearFn = dense_linear,
+            qkv_attn_fn: QKVAttnFn | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
     With stacked layers (`params.layers` a LayerParams) the layers run under lax.scan with
@@ -196,11 +204,13 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     are unrolled, which on GPU avoids slicing each layer's weights out of the stack (a copy
     per layer per step) and the while loop's per-iteration host round trip. Attention (and
     any KV cache write) is delegated to `attn_fn(q, k, v, cache, layer)`, the layers'
-    matmuls to `linear` (default: XLA's).
+    matmuls to `linear` (default: XLA's). Layers with fused Q/K/V weights go to
+    `qkv_attn_fn` instead, where given: it takes the projection before RoPE and rotates Q
+    and K itself (one kernel for the rotation and the KV write).
     """
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
-                             attn_fn=attn_fn, linear=linear)
+                             attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn)
     if isinstance(params.layers, tuple):
         for i, lp in enumerate(params.layers):
             (x, cache), _ = body((x, cache), (lp, jnp.int32(i)))
@@ -211,12 +221,17 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
 
 
 def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
-           positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn):
+           positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn,
+           qkv_attn_fn: QKVAttnFn | None = None):
     x, cache = carry
     lp, layer = xs
-    q, k, v = _qkv(rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp, cfg, linear)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    out, cache = attn_fn(q, k, v, cache, layer)
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    if qkv_attn_fn is not None and lp.wk is None:
+        out, cache = qkv_attn_fn(_fused_qkv(h, lp, linear), cache, layer)
+    else:
+        q, k, v = _qkv(h, lp, cfg, linear)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = attn_fn(q, k, v, cache, layer)
     x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
     x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear)
     return (x, cache), None

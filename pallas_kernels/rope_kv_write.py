@@ -1,0 +1,207 @@
+"""Rotary embedding of one layer's Q and K fused with the write of its new K/V into the
+paged cache `[L, K, N, B, D]`: one kernel launch where XLA runs three (q rope, k rope +
+scatter, v scatter), each launch ~5-10 us of host time on the H200, which the
+time-to-first-token step of a short prompt pays per layer.
+
+The input is the fused projection `qkv` [T, (H + 2K) * D] (columns [q heads | k heads |
+v heads], each head's D columns contiguous, as `models.llama._qkv` slices it). Program
+(i, j) of the grid (token tiles, H + K) owns `block_tokens` tokens: j < H rotates query
+head j into the q output; j >= H rotates KV head j - H and stores its k and v rows into
+both caches at row (layer * K + head) * N * B + slot of their `[L*K*N*B, D]` views. A
+head is loaded as its two [bt, D/2] halves (HF rotate_half layout: no concatenate), the
+rotation computed in float32 exactly as `models.llama.apply_rope` does.
+
+The caches are updated in place (`input_output_aliases`): inside a jit whose caches are
+donated no cache-sized copy is made, and only the written rows change. Null-block slots
+(< B, padding tokens) are not written, as in `kv_cache.write_kv`. Row indices stay int32
+(L*K*N*B < 2**31 is checked); Pallas Triton scales them by D in 64 bits by itself once
+an array passes 4 GiB (a 7B model's cache is ~50 GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Elements of one head's tile ([bt, D]): a q program moves ~2K elements in and out, a KV
+# program ~4K (k and v), 8-16 per thread with 4 warps (a usual size for elementwise
+# Triton kernels; not yet swept on the H200). With a 7B model's D = 128, T = 8192 makes
+# 512 x 64 programs and T = 16 one tile of 64 (latency bound: one wave on 132 SMs).
+_TILE_ELEMENTS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static shape and tiling facts of one kernel instantiation."""
+
+    num_tokens: int  # T
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    slots: int  # N * B: rows of one (layer, kv head) in the flat cache
+    block_size: int  # B
+    head_dim: int  # D
+    block_tokens: int  # bt
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v_in,
+                       q_ref, k_ref, v_ref, *, cfg: _Config):
+    """qkv_ref [T, (H+2K)*D]; q_ref [T, H*D]; k_ref/v_ref [L*K*N*B, D], aliasing the
+    inputs _k_in/_v_in. Program (i, j): tokens i*bt.., q head j (j < H) or kv head j-H."""
+    # (the program ids are read out here: interpret mode cannot lower them inside a cond)
+    i, j = pl.program_id(0), pl.program_id(1)
+    h, d, half = cfg.num_heads, cfg.head_dim, cfg.head_dim // 2
+    tok = i * cfg.block_tokens + jnp.arange(cfg.block_tokens, dtype=jnp.int32)
+    ok = tok < cfg.num_tokens
+    tok_ld = jnp.minimum(tok, cfg.num_tokens - 1)  # loads of tokens past T: the last one's
+    c = jnp.arange(half, dtype=jnp.int32)
+    angles = pos_ref[tok_ld].astype(jnp.float32)[:, None] * inv_ref[c][None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # [bt, D/2] float32
+
+    def rotate(col0):
+        """The two rotated halves of the head at qkv columns col0.., [bt, D/2] each."""
+        x1 = qkv_ref[tok_ld[:, None], (col0 + c)[None, :]].astype(jnp.float32)
+        x2 = qkv_ref[tok_ld[:, None], (col0 + half + c)[None, :]].astype(jnp.float32)
+        dt = q_ref.dtype
+        return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
+
+    @pl.when(j < h)
+    def _q_head():
+        o1, o2 = rotate(j * d)
+        # tokens past T: masked on the GPU; out of bounds (dropped) in interpret mode
+        plgpu.store(q_ref.at[tok[:, None], (j * d + c)[None, :]], o1, mask=ok[:, None])
+        plgpu.store(q_ref.at[tok[:, None], (j * d + half + c)[None, :]], o2,
+                    mask=ok[:, None])
+
+    @pl.when(j >= h)
+    def _kv_head():
+        kvh = j - h
+        k1, k2 = rotate((h + kvh) * d)
+        slot = slot_ref[tok_ld]
+        write = ok & (slot >= cfg.block_size)  # not past T, not the null block
+        base = (layer_ref[0] * cfg.num_kv_heads + kvh) * cfg.slots
+        # Masked lanes aim at the head's null-block row 0, which no lane writes: an
+        # interpret-mode store still scatters there (the row's own value, read back), so
+        # no lane may share a row with a written one (a past-T lane's clamped slot would).
+        row = (base + jnp.where(write, slot, 0))[:, None]
+        m = write[:, None]
+        plgpu.store(k_ref.at[row, c[None, :]], k1, mask=m)
+        plgpu.store(k_ref.at[row, (half + c)[None, :]], k2, mask=m)
+        cd = jnp.arange(d, dtype=jnp.int32)
+        v = qkv_ref[tok_ld[:, None], ((h + cfg.num_kv_heads + kvh) * d + cd)[None, :]]
+        plgpu.store(v_ref.at[row, cd[None, :]], v, mask=m)
+
+
+def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
+                  num_heads, num_kv_heads, block_tokens):
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [L, K, N, B, D], got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    num_layers, kh, n, b, d = k_cache.shape
+    if kh != num_kv_heads:
+        raise ValueError(f"the caches have {kh} kv heads, num_kv_heads is {num_kv_heads}")
+    if num_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    if not (_is_pow2(d) and d >= 2):
+        raise ValueError(f"head_dim ({d}) must be a power of 2 >= 2 (Triton block shapes)")
+    width = (num_heads + 2 * num_kv_heads) * d
+    if qkv.ndim != 2 or qkv.shape[1] != width or qkv.shape[0] < 1:
+        raise ValueError(f"qkv must be [T >= 1, (H + 2K) * D = {width}], got {qkv.shape}")
+    t = qkv.shape[0]
+    dtypes = {jnp.dtype(qkv.dtype), jnp.dtype(k_cache.dtype), jnp.dtype(v_cache.dtype)}
+    if len(dtypes) != 1 or jnp.dtype(qkv.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"qkv, k_cache, v_cache must share one of bf16/f16/f32, got "
+                         f"{qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if x.shape != (t,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer [{t}], got {x.dtype}{list(x.shape)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
+                         f"{list(jnp.shape(layer))}")
+    if inv_freq.shape != (d // 2,) or jnp.dtype(inv_freq.dtype) != jnp.float32:
+        raise ValueError(f"inv_freq must be float32 [{d // 2}] (head_dim {d}), got "
+                         f"{inv_freq.dtype}{list(inv_freq.shape)}")
+    if num_layers * kh * n * b >= 2**31:
+        raise ValueError(f"cache of {num_layers * kh * n * b} rows is too large for int32 "
+                         "row indices")
+    if block_tokens is not None and not _is_pow2(block_tokens):
+        raise ValueError(f"block_tokens ({block_tokens}) must be a power of 2")
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "interpret",
+                                             "block_tokens"))
+def rope_write_kv(
+    qkv: jax.Array,  # [T, (H + 2K) * D]
+    positions: jax.Array,  # [T] int32
+    slot_mapping: jax.Array,  # [T] int32
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array | int,  # int32 scalar
+    inv_freq: jax.Array,  # [D/2] float32
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    interpret: bool = False,
+    block_tokens: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (q [T, H, D] rotated, k_cache, v_cache) with token t's rotated k and its v
+    at `slot_mapping[t]` of layer `layer` (null-block slots < B not written).
+
+    Equals `rope_write_kv_reference`; in place when the caches are donated to the
+    enclosing jit. `block_tokens` (a power of 2) defaults to ~2K elements per head tile.
+    """
+    _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
+                  num_heads, num_kv_heads, block_tokens)
+    t = qkv.shape[0]
+    num_layers, kh, n, b, d = k_cache.shape
+    bt = block_tokens or min(max(1, _TILE_ELEMENTS // d), _next_pow2(t))
+    cfg = _Config(num_tokens=t, num_heads=num_heads, num_kv_heads=kh, slots=n * b,
+                  block_size=b, head_dim=d, block_tokens=bt)
+    rows = num_layers * kh * n * b
+    q, k_flat, v_flat = pl.pallas_call(
+        functools.partial(_rope_write_kernel, cfg=cfg),
+        grid=(pl.cdiv(t, bt), num_heads + kh),
+        out_shape=[jax.ShapeDtypeStruct((t, num_heads * d), qkv.dtype),
+                   jax.ShapeDtypeStruct((rows, d), k_cache.dtype),
+                   jax.ShapeDtypeStruct((rows, d), v_cache.dtype)],
+        input_output_aliases={5: 1, 6: 2},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=max(1, min(4, bt * d // 512))),
+        name=f"rope_write_kv_t{bt}",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), positions.astype(jnp.int32),
+      slot_mapping.astype(jnp.int32), inv_freq, qkv, k_cache.reshape(rows, d),
+      v_cache.reshape(rows, d))
+    return (q.reshape(t, num_heads, d), k_flat.reshape(k_cache.shape),
+            v_flat.reshape(v_cache.shape))
+
+
+def rope_write_kv_reference(qkv, positions, slot_mapping, k_cache, v_cache, layer,
+                            inv_freq, *, num_heads: int, num_kv_heads: int):
+    """The same unfused: `models.llama.apply_rope` on q and k, then `kv_cache.write_kv`."""
+    from models.llama import apply_rope  # (here: models may come to import this module)
+    from pallas_kernels.kv_cache import write_kv
+
+    _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
+                  num_heads, num_kv_heads, None)
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    hd, kd = num_heads * d, num_kv_heads * d
+    q = qkv[:, :hd].reshape(t, num_heads, d)
+    k = qkv[:, hd : hd + kd].reshape(t, num_kv_heads, d)
+    v = qkv[:, hd + kd :].reshape(t, num_kv_heads, d)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
+    return q, k_cache, v_cache
