@@ -4,6 +4,7 @@ Also: a second batch computes only its new tokens, in-batch sharing, eviction an
 preemption keep outputs right, the compile count stays bounded, and ref counts balance.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,8 @@ from jprefix import LLM, SamplingParams
 from models.llama import dense_generate
 
 BS = 8  # block size: small so short prompts span several blocks
+# The Pallas kernels: compiled on a GPU, interpreted elsewhere
+PALLAS = "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
 
 
 @pytest.fixture(scope="module")
@@ -138,27 +141,40 @@ def test_pallas_interpret_backend_matches_xla(tiny):
     rng = np.random.default_rng(8)
     prompts = _prompts(rng, tiny.config.vocab_size, 16, [3, 9])
     outs = {}
-    for backend in ("xla", "pallas-interpret"):
+    for backend in ("xla", PALLAS):
         llm = LLM(tiny, block_size=BS, num_kv_blocks=32, attention_backend=backend)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, _greedy(3), prefix_pos=16,
                                                            use_tqdm=False)]
-    assert outs["xla"] == outs["pallas-interpret"]
+    assert outs["xla"] == outs[PALLAS]
 
 
-def test_fused_projections_run_the_few_row_matmul_and_match_dense(tiny):
+def test_fused_projections_run_the_few_row_matmul_and_match_dense(tiny, monkeypatch):
     """Unrolled layers on one device fuse Q/K/V and gate/up (as on a GPU); with the Pallas
-    backend the 16-row decode steps run them (silu * up fused) in skinny_matmul: greedy
-    tokens equal the XLA backend's and the dense model's."""
+    backend the 16-row decode steps run them (silu * up fused) in skinny_matmul and every
+    step rotates Q/K and writes the KV cache in rope_write_kv: greedy tokens equal the XLA
+    backend's and the dense model's."""
+    import jprefix.step as step_mod
+
+    fused_calls = []
+    real = step_mod.rope_write_kv
+    monkeypatch.setattr(step_mod, "rope_write_kv",
+                        lambda *a, **k: fused_calls.append(k["interpret"]) or real(*a, **k))
+    step_mod.step.clear_cache()  # (traced anew, so the count sees every layer's call)
     rng = np.random.default_rng(13)
     prompts = _prompts(rng, tiny.config.vocab_size, 8, [3, 6])
     outs = {}
-    for backend in ("xla", "pallas-interpret"):
+    for backend in ("xla", PALLAS):
         llm = LLM(tiny, block_size=BS, num_kv_blocks=32, attention_backend=backend,
                   unroll_layers=True)
         assert llm.engine.runner.params.layers[0].w_up is None  # fused
         outs[backend] = [o.token_ids for o in llm.generate(prompts, _greedy(3),
                                                            use_tqdm=False)]
-    assert outs["xla"] == outs["pallas-interpret"] == [_dense(tiny, p, 3) for p in prompts]
+        # the XLA backend keeps the model's RoPE and write_kv; Pallas, one call per layer
+        # of every compiled step
+        assert len(fused_calls) % tiny.config.num_layers == 0
+        assert bool(fused_calls) == (backend == PALLAS)
+    assert outs["xla"] == outs[PALLAS] == [_dense(tiny, p, 3) for p in prompts]
+    step_mod.step.clear_cache()  # (no trace with the wrapper outlives the test)
 
 
 def test_mixed_steps_decode_rows_first_with_their_own_tiling(sharp_tiny):
@@ -169,14 +185,14 @@ def test_mixed_steps_decode_rows_first_with_their_own_tiling(sharp_tiny):
     rng = np.random.default_rng(12)
     prompts = _prompts(rng, tiny.config.vocab_size, 0, [5, 30, 21, 3])
     outs, mixed = {}, {}
-    for backend in ("xla", "pallas-interpret"):
+    for backend in ("xla", PALLAS):
         llm = LLM(tiny, block_size=BS, num_kv_blocks=64, max_num_batched_tokens=16,
                   attention_backend=backend, enable_prefix_caching=False)
         res = llm.generate(prompts, _greedy(4), use_tqdm=False)
         outs[backend] = [o.token_ids for o in res]
         mixed[backend] = sum(m for *_, m in llm.engine.runner.shapes_seen)
-    assert outs["xla"] == outs["pallas-interpret"] == [_dense(tiny, p, 4) for p in prompts]
-    assert mixed["pallas-interpret"] >= 1
+    assert outs["xla"] == outs[PALLAS] == [_dense(tiny, p, 4) for p in prompts]
+    assert mixed[PALLAS] >= 1
 
 
 def test_stop_token_ids_and_max_tokens_finish(tiny):
