@@ -148,7 +148,7 @@ def paged_attention(
     block_q: int = 128,
     block_kv: int = 64,
     kv_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     prefetch_pages: bool | None = None,
     causal: bool = True,
@@ -169,8 +169,9 @@ def paged_attention(
     any other value (or None) the prefill tiling (`block_q` rows = tokens x padded query
     group per tile; `kv_splits` None = 1, or up to 4 when T is so small that the batch has
     fewer than ~128 programs, as for one short prompt). Both compute the same function
-    for any input. `block_kv` (keys per inner step), `num_warps`, `num_stages` (None: 3
-    decode, 4 prefill, 2 float32), `prefetch_pages` (load the next step's page ids a step
+    for any input. `block_kv` (keys per inner step), `num_warps` (None: 8 for a causal
+    prefill tiling split over the key range, whose few programs are latency-bound; 4
+    otherwise), `num_stages` (None: 3 decode, 4 prefill, 2 float32), `prefetch_pages` (load the next step's page ids a step
     early; None = on for the decode tiling, off for prefill), `single_loop` (one masked
     key loop instead of unmasked steps then the masked edge), `evict_first` (cache
     hint on the K/V loads), `mask_q` (skip loading a tile's padding query rows; None
@@ -188,6 +189,9 @@ def paged_attention(
                   heads_per_tile=heads_per_tile)
     if num_stages is None:
         num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
+    if num_warps is None:  # one short prompt's prefill (time to first token): its 128-row
+        # tile x 4 splits ran 14.0 us with 4 warps, 9.6 with 8 (H200, docs/PERF.md)
+        num_warps = 8 if max_q_len != 1 and causal and cfg.kv_splits > 1 else 4
     num_layers, k, n, b, d = k_cache.shape
     t, h, _ = q.shape
     pad = -block_tables.shape[1] % cfg.pages_per_step
