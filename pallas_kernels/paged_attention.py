@@ -171,14 +171,14 @@ def paged_attention(
     fewer than ~128 programs, as for one short prompt). Both compute the same function
     for any input. `block_kv` (keys per inner step), `num_warps` (None: 8 for a causal
     prefill tiling split over the key range, whose few programs are latency-bound; 4
-    otherwise), `num_stages` (None: 3 decode, 4 prefill, 2 float32), `prefetch_pages` (load the next step's page ids a step
-    early; None = on for the decode tiling, off for prefill), `single_loop` (one masked
-    key loop instead of unmasked steps then the masked edge), `evict_first` (cache
-    hint on the K/V loads), `mask_q` (skip loading a tile's padding query rows; None
-    = on for the decode tiling), `mask_kv` (edge steps skip loading keys past kv_len) and
-    `heads_per_tile` (decode tiling: KV heads per tile, each row masked to its own head's
-    keys; 1 = off, not yet measured on a GPU) tune the Triton lowering; the defaults are
-    the best measured on an H200 (docs/PERF.md).
+    otherwise), `num_stages` (None: 3 decode, 4 prefill, 2 float32), `prefetch_pages`
+    (load the next step's page ids a step early; None = on for the decode tiling, off for
+    prefill), `single_loop` (one masked key loop instead of unmasked steps then the
+    masked edge), `evict_first` (cache hint on the K/V loads), `mask_q` (skip loading a
+    tile's padding query rows; None = on for the decode tiling), `mask_kv` (edge steps
+    skip loading keys past kv_len) and `heads_per_tile` (decode tiling: KV heads per tile,
+    each row masked to its own head's keys; 1 = off, not yet measured on a GPU) tune the
+    Triton lowering; the defaults are the best measured on an H200 (docs/PERF.md).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,
