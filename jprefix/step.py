@@ -29,7 +29,6 @@ from models.llama import (
     compute_logits,
     dense_linear,
     forward,
-    rope_inv_freq,
 )
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
@@ -100,11 +99,10 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     model's RoPE, then `write_kv` and attention."""
     if backend == "xla" or mesh is not None:
         return None
-    inv_freq = rope_inv_freq(cfg)
 
-    def qkv_attn_fn(qkv, cache, layer):
+    def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):
         q, k_cache, v_cache = rope_write_kv(
-            qkv, batch["positions"], batch["slot_mapping"], *cache, layer, inv_freq,
+            qkv, positions, batch["slot_mapping"], *cache, layer, inv_freq,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             interpret=backend == "pallas-interpret")
         out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
@@ -124,13 +122,17 @@ def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
     return out
 
 
-def _no_remat_options(xla_flags: str) -> dict[str, str]:
+def _no_remat_options(xla_flags: str, keep_remat: bool = False) -> dict[str, str]:
     """XLA options for the step: the rematerialization pass off (with any passes that
-    XLA_FLAGS already disables). XLA:GPU judges the step's memory against a limit that the
-    donated KV cache, most of the device, already fills, so it recomputed a layer's Q/K/V
-    matmul and small fusions to save bytes that were never short (the H200's 7B time-to-
-    first-token step ran ~13 kernels more, three of them 100 MB matmuls). The cache is sized
-    to leave room for the step's temporaries (`auto_num_blocks`)."""
+    XLA_FLAGS already disables: the option replaces the flag's list). XLA:GPU judges the
+    step's memory against a limit that the donated KV cache, most of the device, already
+    fills, so it recomputed to save bytes that were never short: on the H200, layer 0's
+    Q/K/V matmul ran four times in every 7B step, with ~10 small fusions again. The
+    default KV cache (90% of the memory free after the weights) leaves the temporaries
+    gigabytes; an engine sized closer to the limit may need the pass back:
+    JPREFIX_XLA_REMAT=1 (`keep_remat`) keeps XLA's default."""
+    if keep_remat:
+        return {}
     passes = ["rematerialization"]
     for flag in xla_flags.split():
         if flag.startswith("--xla_disable_hlo_passes="):
@@ -142,7 +144,8 @@ def _no_remat_options(xla_flags: str) -> dict[str, str]:
     jax.jit,
     static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh"),
     donate_argnames=("kv_cache",),
-    compiler_options=_no_remat_options(os.environ.get("XLA_FLAGS", "")),
+    compiler_options=_no_remat_options(os.environ.get("XLA_FLAGS", ""),
+                                       os.environ.get("JPREFIX_XLA_REMAT") == "1"),
 )
 def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,

@@ -22,10 +22,12 @@ from models.config import ModelConfig
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
 AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
-# qkv_attn_fn(qkv [..., (H+2K)*D] before RoPE, cache, layer) -> (out [...,H,D], cache):
-# attention that applies the rotary embedding itself (a fused kernel), given the fused
-# projection's output, columns [q heads | k heads | v heads]
-QKVAttnFn = Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+# qkv_attn_fn(qkv [T, (H+2K)*D] before RoPE, positions [T], inv_freq [D/2], cache, layer)
+#   -> (out [T,H,D], cache): attention that applies the rotary embedding itself (a fused
+# kernel), given the fused projection's output (columns [q heads | k heads | v heads])
+# with the tokens flattened
+QKVAttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array],
+                     tuple[jax.Array, Any]]
 
 
 class LinearFn(Protocol):
@@ -227,7 +229,10 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
     lp, layer = xs
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if qkv_attn_fn is not None and lp.wk is None:
-        out, cache = qkv_attn_fn(_fused_qkv(h, lp, linear), cache, layer)
+        qkv = _fused_qkv(h, lp, linear)
+        out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
+                                 inv_freq, cache, layer)
+        out = out.reshape(*x.shape[:-1], *out.shape[1:])
     else:
         q, k, v = _qkv(h, lp, cfg, linear)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)

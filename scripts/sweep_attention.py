@@ -72,10 +72,11 @@ SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2",
     "hp2": {"heads_per_tile": 2}}
 TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
                                 for bq, s in itertools.product((64, 128), (1, 2, 4, 8))} | {
-    # the default's 128-row tile and 4 splits, each program latency-bound (~3 key steps)
+    # the default's 128-row tile and 4 splits, each program latency-bound (~3 key steps);
+    # 8 warps are its default since the eighth session (w4: the default before)
     f"split4/{name}": {"kv_splits": 4, **kw} for name, kw in (
         ("kv32", {"block_kv": 32}), ("kv128", {"block_kv": 128}),
-        ("kv128/w8", {"block_kv": 128, "num_warps": 8}), ("w8", {"num_warps": 8}),
+        ("kv128/w4", {"block_kv": 128, "num_warps": 4}), ("w4", {"num_warps": 4}),
         ("st2", {"num_stages": 2}), ("st3", {"num_stages": 3}), ("st4", {"num_stages": 4}),
         ("prefetch", {"prefetch_pages": True}), ("1loop", {"single_loop": True}),
         ("kv32/st4", {"block_kv": 32, "num_stages": 4}))}

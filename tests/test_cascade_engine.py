@@ -77,7 +77,8 @@ def test_greedy_tokens_identical_with_cascade_on_and_off(tiny, backend):
     results = {}
     for cascade in (False, True):
         llm = LLM(tiny, block_size=BS, num_kv_blocks=128, attention_backend=backend,
-                  enable_cascade=cascade, cascade_min_group=2, cascade_min_blocks=1)
+                  enable_cascade=cascade, cascade_min_group=2, cascade_min_blocks=1,
+                  unroll_layers=True)  # (as on a GPU: fused Q/K/V, rope_write_kv)
         llm.generate(prompts[:1], params[:1], use_tqdm=False)  # a first wave fills the cache
         results[cascade] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         used = any(s[4] for s in llm.engine.runner.shapes_seen)

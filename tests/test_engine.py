@@ -137,7 +137,7 @@ def test_compilations_bounded_by_buckets(tiny):
     assert len(seen) <= 3 * 1 * 4 * 3  # T x S x M buckets x (decode, mixed, prefill)
 
 
-def test_pallas_interpret_backend_matches_xla(tiny):
+def test_pallas_backend_matches_xla(tiny):
     rng = np.random.default_rng(8)
     prompts = _prompts(rng, tiny.config.vocab_size, 16, [3, 9])
     outs = {}
@@ -148,33 +148,37 @@ def test_pallas_interpret_backend_matches_xla(tiny):
     assert outs["xla"] == outs[PALLAS]
 
 
-def test_fused_projections_run_the_few_row_matmul_and_match_dense(tiny, monkeypatch):
-    """Unrolled layers on one device fuse Q/K/V and gate/up (as on a GPU); with the Pallas
-    backend the 16-row decode steps run them (silu * up fused) in skinny_matmul and every
-    step rotates Q/K and writes the KV cache in rope_write_kv: greedy tokens equal the XLA
-    backend's and the dense model's."""
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])  # qwen2: Q/K/V biases
+def test_fused_projections_rotate_and_write_kv_in_one_kernel_and_match_dense(
+        tiny, name, monkeypatch):
+    """Unrolled layers on one device fuse Q/K/V and gate/up (as on a GPU). With the Pallas
+    backend every step's layers rotate Q/K and write the KV cache in one rope_write_kv
+    call each (interpreted on CPU, where the 16-row decode steps also run skinny_matmul):
+    greedy tokens equal the XLA backend's and the dense model's."""
     import jprefix.step as step_mod
 
+    model = tiny if name == "tiny-llama" else jprefix.load(name, dtype="float32",
+                                                           load_format="dummy")
     fused_calls = []
     real = step_mod.rope_write_kv
     monkeypatch.setattr(step_mod, "rope_write_kv",
                         lambda *a, **k: fused_calls.append(k["interpret"]) or real(*a, **k))
-    step_mod.step.clear_cache()  # (traced anew, so the count sees every layer's call)
+    step_mod.step.clear_cache()  # traced anew, so that the count sees every step's layers
     rng = np.random.default_rng(13)
-    prompts = _prompts(rng, tiny.config.vocab_size, 8, [3, 6])
+    prompts = _prompts(rng, model.config.vocab_size, 8, [3, 6])
     outs = {}
     for backend in ("xla", PALLAS):
-        llm = LLM(tiny, block_size=BS, num_kv_blocks=32, attention_backend=backend,
+        llm = LLM(model, block_size=BS, num_kv_blocks=32, attention_backend=backend,
                   unroll_layers=True)
         assert llm.engine.runner.params.layers[0].w_up is None  # fused
         outs[backend] = [o.token_ids for o in llm.generate(prompts, _greedy(3),
                                                            use_tqdm=False)]
-        # the XLA backend keeps the model's RoPE and write_kv; Pallas, one call per layer
-        # of every compiled step
-        assert len(fused_calls) % tiny.config.num_layers == 0
-        assert bool(fused_calls) == (backend == PALLAS)
-    assert outs["xla"] == outs[PALLAS] == [_dense(tiny, p, 3) for p in prompts]
-    step_mod.step.clear_cache()  # (no trace with the wrapper outlives the test)
+        if backend == "xla":  # the model's RoPE and write_kv
+            assert fused_calls == []
+    # one call per layer of every step shape compiled
+    assert len(fused_calls) == model.config.num_layers * len(llm.engine.runner.shapes_seen)
+    assert set(fused_calls) == {PALLAS == "pallas-interpret"}
+    assert outs["xla"] == outs[PALLAS] == [_dense(model, p, 3) for p in prompts]
 
 
 def test_mixed_steps_decode_rows_first_with_their_own_tiling(sharp_tiny):
@@ -187,7 +191,8 @@ def test_mixed_steps_decode_rows_first_with_their_own_tiling(sharp_tiny):
     outs, mixed = {}, {}
     for backend in ("xla", PALLAS):
         llm = LLM(tiny, block_size=BS, num_kv_blocks=64, max_num_batched_tokens=16,
-                  attention_backend=backend, enable_prefix_caching=False)
+                  attention_backend=backend, enable_prefix_caching=False,
+                  unroll_layers=True)  # (fused Q/K/V: rope_write_kv with Pallas)
         res = llm.generate(prompts, _greedy(4), use_tqdm=False)
         outs[backend] = [o.token_ids for o in res]
         mixed[backend] = sum(m for *_, m in llm.engine.runner.shapes_seen)
