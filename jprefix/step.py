@@ -69,11 +69,17 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
                            max_q_len=1 if decode else None)
 
 
+def _one_device_pallas(backend: str, mesh: Mesh | None) -> bool:
+    """Where the layers' own Pallas kernels run (`_linear`, `_qkv_attention`): a Pallas
+    backend on one device (a tensor-parallel step's projections are not fused)."""
+    return backend != "xla" and mesh is None
+
+
 def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
     columns; one device), XLA's elsewhere. Interpret mode takes the kernel for any number
     of output columns (the rows' limit stays), so that the CPU tests' small models run it."""
-    if backend == "xla" or mesh is not None:
+    if not _one_device_pallas(backend, mesh):
         return dense_linear
     interpret = backend == "pallas-interpret"
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
@@ -94,10 +100,9 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
                    cfg: ModelConfig, batch: dict[str, jax.Array], scale: float
                    ) -> QKVAttnFn | None:
     """Attention from the fused Q/K/V projection: one `rope_write_kv` kernel rotates Q and
-    K and writes the new K/V, where XLA runs three fusions per layer (Pallas backends, one
-    device; a tensor-parallel step's projections are not fused). None elsewhere: the
-    model's RoPE, then `write_kv` and attention."""
-    if backend == "xla" or mesh is not None:
+    K and writes the new K/V, where XLA runs three fusions per layer (`_one_device_pallas`).
+    None elsewhere: the model's RoPE, then `write_kv` and attention."""
+    if not _one_device_pallas(backend, mesh):
         return None
 
     def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):

@@ -231,8 +231,7 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
     if qkv_attn_fn is not None and lp.wk is None:
         qkv = _fused_qkv(h, lp, linear)
         out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
-                                 inv_freq, cache, layer)
-        out = out.reshape(*x.shape[:-1], *out.shape[1:])
+                                 inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
         q, k, v = _qkv(h, lp, cfg, linear)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)

@@ -21,10 +21,19 @@ import jax
 import jax.numpy as jnp
 
 
-def _check_inputs(k_cache, v_cache, layer, k, v, slot_mapping):
+def check_caches(k_cache, v_cache, layer) -> None:
+    """Raises ValueError unless the caches share one [L, K, N, B, D] shape and `layer` is
+    an integer scalar: the contract of every kernel here that takes the paged cache."""
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [L, K, N, B, D], got "
                          f"{k_cache.shape} and {v_cache.shape}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
+                         f"{list(jnp.shape(layer))}")
+
+
+def _check_inputs(k_cache, v_cache, layer, k, v, slot_mapping):
+    check_caches(k_cache, v_cache, layer)
     _, kh, _, _, d = k_cache.shape
     if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (kh, d):
         raise ValueError(f"k and v must both be [T, {kh}, {d}], got {k.shape} and {v.shape}")
@@ -32,9 +41,6 @@ def _check_inputs(k_cache, v_cache, layer, k, v, slot_mapping):
                                                                    jnp.integer):
         raise ValueError(f"slot_mapping must be integer [{k.shape[0]}], got "
                          f"{slot_mapping.dtype}{list(slot_mapping.shape)}")
-    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
-                         f"{list(jnp.shape(layer))}")
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(f"k/v dtypes ({k.dtype}, {v.dtype}) must match the caches' "
                          f"({k_cache.dtype}, {v_cache.dtype})")

@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache import check_caches
 from pallas_kernels.ragged_paged_attention_kernel import KernelConfig, run_kernel, tile_metadata
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -59,10 +60,7 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
     """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [L, K, N, B, D], got {k_cache.shape} "
-            f"and {v_cache.shape}")
+    check_caches(k_cache, v_cache, layer)
     t, h, d = q.shape
     _, k, _, b, dk = k_cache.shape
     if dk != d:
@@ -85,9 +83,6 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
     if cu_q_lens.shape != (s + 1,) or jnp.dtype(cu_q_lens.dtype) != _INT32:
         raise ValueError(f"cu_q_lens must be int32 [{s + 1}], got "
                          f"{cu_q_lens.dtype}{list(cu_q_lens.shape)}")
-    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
-                         f"{list(jnp.shape(layer))}")
     if t == 0 or s == 0:
         raise ValueError(f"need at least one token and one sequence, got T={t}, S={s}")
 

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_cache import check_caches, write_kv
+
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # Elements of one head's tile ([bt, D]): a q program moves ~2K elements in and out, a KV
 # program ~4K (k and v), 8-16 per thread with 4 warps (a usual size for elementwise
@@ -107,9 +109,7 @@ def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v
 
 def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
                   num_heads, num_kv_heads, block_tokens):
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [L, K, N, B, D], got "
-                         f"{k_cache.shape} and {v_cache.shape}")
+    check_caches(k_cache, v_cache, layer)
     num_layers, kh, n, b, d = k_cache.shape
     if kh != num_kv_heads:
         raise ValueError(f"the caches have {kh} kv heads, num_kv_heads is {num_kv_heads}")
@@ -129,9 +129,6 @@ def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_fre
     for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
         if x.shape != (t,) or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer [{t}], got {x.dtype}{list(x.shape)}")
-    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
-                         f"{list(jnp.shape(layer))}")
     if inv_freq.shape != (d // 2,) or jnp.dtype(inv_freq.dtype) != jnp.float32:
         raise ValueError(f"inv_freq must be float32 [{d // 2}] (head_dim {d}), got "
                          f"{inv_freq.dtype}{list(inv_freq.shape)}")
@@ -193,7 +190,6 @@ def rope_write_kv_reference(qkv, positions, slot_mapping, k_cache, v_cache, laye
                             inv_freq, *, num_heads: int, num_kv_heads: int):
     """The same unfused: `models.llama.apply_rope` on q and k, then `kv_cache.write_kv`."""
     from models.llama import apply_rope  # (here: models may come to import this module)
-    from pallas_kernels.kv_cache import write_kv
 
     _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
                   num_heads, num_kv_heads, None)

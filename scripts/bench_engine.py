@@ -112,13 +112,22 @@ def run_tpot(llm: LLM, prompt: list[int], prefix_len: int, output_len: int, reps
     return statistics.median(per_token) * 1e3
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
+def workload_parser(description: str, prompts: bool = True) -> argparse.ArgumentParser:
+    """The engine benchmarks' and probes' common flags: the model and its weights, the
+    shared-prefix workload (`prompts`: also how many requests) and the JSON path."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--num-prompts", type=int, default=256)
+    if prompts:
+        ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--prefix-len", type=int, default=596)
     ap.add_argument("--unique-len", type=int, default=104)
+    ap.add_argument("--output-json", default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = workload_parser(__doc__)
     ap.add_argument("--output-len", type=int, nargs="+", default=[128, 32])
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--ttft-reps", type=int, default=10)
@@ -131,7 +140,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
                     help="step inputs in device buffers refilled in place (auto: where "
                          "XLA records command buffers)")
-    ap.add_argument("--output-json", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
     if args.ttft_only and args.ttft_reps < 1:

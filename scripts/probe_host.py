@@ -9,27 +9,23 @@ engine's own host-share figure for the same steps.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 
 from jprefix import LLM, SamplingParams, load
-from scripts.bench_engine import make_prompts
+from scripts.bench_engine import make_prompts, workload_parser
 from scripts.bench_throughput import write_json
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-2-7b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--num-prompts", type=int, default=256)
+    ap = workload_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     model = load(args.model, load_format=args.load_format)
-    prompts = make_prompts(args.num_prompts, 596, 104, model.config.vocab_size, 0)
+    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
+                           model.config.vocab_size, 0)
     llm = LLM(model, max_num_seqs=256)
     engine = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
@@ -37,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     for run in ("warm", "profiled"):
         llm.reset_prefix_cache()
         for p in prompts:
-            engine.add_sequence(engine.make_sequence(p, sp, 596))
+            engine.add_sequence(engine.make_sequence(p, sp, args.prefix_len))
         for _ in range(10_000):  # prefill and the first decode steps
             if len(engine.scheduler.running) == args.num_prompts and all(
                     s.num_output_tokens >= 8 for s in engine.scheduler.running.values()):

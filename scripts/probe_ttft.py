@@ -17,7 +17,6 @@ engine thread runs Python).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -25,7 +24,7 @@ import time
 
 import jprefix.runner as runner_mod
 from jprefix import LLM, SamplingParams, load
-from scripts.bench_engine import make_prompts, timed_request
+from scripts.bench_engine import make_prompts, timed_request, workload_parser
 from scripts.bench_throughput import write_json
 
 SPANS = ("dispatch", "pack", "handoff", "enqueue", "wait", "finish")
@@ -81,13 +80,8 @@ def measure(llm: LLM, stamps: Stamps, prompt, prefix_len: int, reps: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-2-7b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--prefix-len", type=int, default=596)
-    ap.add_argument("--unique-len", type=int, default=104)
+    ap = workload_parser(__doc__.split("\n\n")[0], prompts=False)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     model = load(args.model, load_format=args.load_format)
     prompt = make_prompts(1, args.prefix_len, args.unique_len, model.config.vocab_size, 0)[0]
