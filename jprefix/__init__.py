@@ -1,24 +1,36 @@
-"""jprefix: a JAX/Pallas LLM inference engine built around prefix (system-prompt) KV caching."""
+"""jprefix: a JAX/Pallas LLM inference engine built around prefix (system-prompt) KV caching.
 
-import os as _os
+The public names load lazily (PEP 562): `import jprefix` imports neither jax nor the
+engine, and changes no environment variable. `jprefix.core` (the host side) never
+imports jax at all; the XLA flags the engine needs are set when a model runner is built
+(`jprefix.worker.xla_flags`).
+"""
 
-# XLA:GPU records a step's kernels into command buffers (CUDA graphs) and records them
-# again whenever an input, output or temporary buffer moves, which happens on every
-# engine step; the recording then delays the whole launch. Launching directly lets the
-# first kernels run while the rest launch (H200, Llama-2-7B batch-1 decode: 8.8 -> 6.5 ms
-# per step). Set JPREFIX_XLA_COMMAND_BUFFERS=1, or the flag yourself, to keep XLA's
-# default. Takes effect only if jax has not initialized its GPU backend yet.
-if (_os.environ.get("JPREFIX_XLA_COMMAND_BUFFERS") != "1"
-        and "xla_gpu_enable_command_buffer" not in _os.environ.get("XLA_FLAGS", "")):
-    _os.environ["XLA_FLAGS"] = (
-        _os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-    ).strip()
+from __future__ import annotations
 
-from jprefix.api import LLM, generate
-from jprefix.engine import EngineArgs, LLMEngine
-from jprefix.outputs import CompletionOutput, RequestOutput
-from jprefix.sampling_params import SamplingParams
-from models.loader import LoadedModel, load
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jprefix.core.outputs import CompletionOutput, RequestOutput
+    from jprefix.core.sampling_params import SamplingParams
+    from jprefix.engine.args import EngineArgs
+    from jprefix.engine.llm_engine import LLMEngine
+    from jprefix.entrypoints.llm import LLM, generate
+    from models.loader import LoadedModel, load
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "LLM": "jprefix.entrypoints.llm",
+    "generate": "jprefix.entrypoints.llm",
+    "EngineArgs": "jprefix.engine.args",
+    "LLMEngine": "jprefix.engine.llm_engine",
+    "CompletionOutput": "jprefix.core.outputs",
+    "RequestOutput": "jprefix.core.outputs",
+    "SamplingParams": "jprefix.core.sampling_params",
+    "LoadedModel": "models.loader",
+    "load": "models.loader",
+}
 
 __all__ = [
     "LLM",
@@ -32,3 +44,16 @@ __all__ = [
     "load",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jprefix' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # (later lookups skip this function)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -17,10 +17,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from jprefix.batch import BucketConfig, PackCache
-from jprefix.engine import EngineArgs, LLMEngine
-from jprefix.runner import StepHandle, pack_rows, record_pending_rows
-from jprefix.sampling_params import SamplingParams
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.engine.args import EngineArgs
+from jprefix.engine.llm_engine import LLMEngine
+from jprefix.worker.model_runner import StepHandle, pack_rows, record_pending_rows
+from jprefix.worker.pack import BucketConfig, PackCache
 
 
 class PackingStub:

@@ -21,8 +21,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, load  # noqa: E402
-from jprefix.memcheck import compile_step, step_memory_report  # noqa: E402
-from jprefix.scheduler import synthetic_rows  # noqa: E402
+from scripts.memcheck import (  # noqa: E402
+    compile_step,
+    step_memory_report,
+    synthetic_rows,  # noqa: E402
+)
 
 COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200
 

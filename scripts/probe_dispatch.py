@@ -18,8 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, load  # noqa: E402
-from jprefix.batch import flatten_batch, pack_step  # noqa: E402
-from jprefix.step import step  # noqa: E402
+from jprefix.worker.pack import flatten_batch, pack_step  # noqa: E402
+from jprefix.worker.step import step  # noqa: E402
 from scripts.bench_step import fake_decode_batch  # noqa: E402
 from scripts.probe_launch import issue_and_whole  # noqa: E402
 

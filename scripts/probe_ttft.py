@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-import jprefix.runner as runner_mod
+import jprefix.worker.model_runner as runner_mod
 from jprefix import LLM, SamplingParams, load
 from scripts.bench_engine import make_prompts, timed_request, workload_parser
 from scripts.bench_throughput import write_json

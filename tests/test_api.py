@@ -201,7 +201,7 @@ def test_engines_leave_no_threads_behind(tiny):
 
 
 def test_token_ids_come_back_as_plain_ints_whatever_their_integer_type():
-    from jprefix.validation import check_token_ids
+    from jprefix.engine.input_processor import check_token_ids
 
     ids = check_token_ids(np.arange(5, 12, dtype=np.int64), 100)
     assert ids == list(range(5, 12)) and {type(t) for t in ids} == {int}

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from jprefix.batch import BucketConfig, bucket, flatten_batch, pack_step
-from jprefix.sampling_params import SamplingParams
-from jprefix.scheduler import ScheduledSeq
-from jprefix.sequence import Sequence
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.core.scheduler import ScheduledSeq
+from jprefix.core.sequence import Sequence
+from jprefix.worker.pack import BucketConfig, bucket, flatten_batch, pack_step
 
 B = 4
 
@@ -75,7 +75,7 @@ def test_pending_token_reads_the_previous_steps_output_row():
 
 
 def test_flatten_batch_round_trips_through_one_buffer():
-    from jprefix.step import unflatten_batch
+    from jprefix.worker.step import unflatten_batch
 
     scheduled = [_sched(range(100, 110), [5, 9, 2], 0, 10), _sched(range(7), [4], 6, 1)]
     batch = pack_step(scheduled, B, BucketConfig())
@@ -129,8 +129,8 @@ def _random_seqs(rng, n, prompt_len, num_blocks):
 def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
     """Steps that grow, replace, drop and reorder rows: packing with the cache carried
     between steps equals packing from scratch, array for array (cascade tables too)."""
-    from jprefix.batch import PackCache
-    from jprefix.cascade import CascadePlan, pack_cascade
+    from jprefix.core.cascade import CascadePlan, pack_cascade
+    from jprefix.worker.pack import PackCache
 
     rng = np.random.default_rng(5)
     seqs = _random_seqs(rng, 12, prompt_len=20, num_blocks=6)
@@ -167,9 +167,9 @@ def test_steady_decode_repacking_equals_packing_afresh():
     growing past their bucket, with and without a cascade plan) are repacked from the last
     step's buffers; between them rows are replaced, dropped, reordered and prefilled. The
     runner's packing with its cache equals packing from scratch, buffer for buffer."""
-    from jprefix.batch import PackCache
-    from jprefix.cascade import CascadePlan
-    from jprefix.runner import pack_rows
+    from jprefix.core.cascade import CascadePlan
+    from jprefix.worker.model_runner import pack_rows
+    from jprefix.worker.pack import PackCache
 
     rng = np.random.default_rng(11)
     seqs = _random_seqs(rng, 10, prompt_len=14, num_blocks=4)
@@ -217,9 +217,9 @@ def test_steady_decode_repacking_equals_packing_afresh():
 def test_repacking_follows_a_table_that_shrinks_below_its_width_bucket():
     """A row's table replaced by a shorter one (re-admitted after preemption) can shrink
     the tables' width bucket; the repacked step has the fresh width, cascade tables too."""
-    from jprefix.batch import PackCache
-    from jprefix.cascade import CascadePlan
-    from jprefix.runner import pack_rows
+    from jprefix.core.cascade import CascadePlan
+    from jprefix.worker.model_runner import pack_rows
+    from jprefix.worker.pack import PackCache
 
     rng = np.random.default_rng(3)
     seqs = _random_seqs(rng, 2, prompt_len=10, num_blocks=3)

@@ -21,7 +21,7 @@ def script(name: str):
     return sys.modules[key]
 
 
-ds = script("datasets")
+ds = script("workloads")
 TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
         "--block-size", "8", "--num-kv-blocks", "256"]
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jprefix.block_manager import NULL_BLOCK, BlockManager
+from jprefix.core.block_manager import NULL_BLOCK, BlockManager
 
 
 def test_null_block_is_never_allocated():

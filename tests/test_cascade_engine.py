@@ -8,7 +8,7 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from jprefix.cascade import pack_cascade, plan_cascade, shared_blocks
+from jprefix.core.cascade import pack_cascade, plan_cascade, shared_blocks
 from models.llama import dense_generate
 
 BS = 8

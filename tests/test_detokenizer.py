@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jprefix.detokenizer import IncrementalDetokenizer
+from jprefix.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! The year 2024 had 366 days; pi=3.14159.",

@@ -155,7 +155,7 @@ def test_fused_projections_rotate_and_write_kv_in_one_kernel_and_match_dense(
     backend every step's layers rotate Q/K and write the KV cache in one rope_write_kv
     call each (interpreted on CPU, where the 16-row decode steps also run skinny_matmul):
     greedy tokens equal the XLA backend's and the dense model's."""
-    import jprefix.step as step_mod
+    import jprefix.worker.step as step_mod
 
     model = tiny if name == "tiny-llama" else jprefix.load(name, dtype="float32",
                                                            load_format="dummy")

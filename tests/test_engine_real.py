@@ -4,7 +4,7 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from jprefix.cli import main as cli_main
+from jprefix.entrypoints.cli import main as cli_main
 from models.llama import dense_generate
 
 SYSTEM = (

@@ -11,9 +11,9 @@ from test_scheduler import FakeRunner, reference_output, run, step
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from jprefix.block_manager import BlockManager
-from jprefix.config import SchedulerConfig
-from jprefix.policies import (
+from jprefix.core.block_manager import BlockManager
+from jprefix.core.config import SchedulerConfig
+from jprefix.core.policies import (
     FCFSPolicy,
     GreedyPolicy,
     LPMPolicy,
@@ -21,9 +21,9 @@ from jprefix.policies import (
     make_policy,
     parse_policy,
 )
-from jprefix.prefix_cache import PrefixPool
-from jprefix.scheduler import Scheduler
-from jprefix.sequence import Sequence, SequenceStatus
+from jprefix.core.prefix_cache import PrefixPool
+from jprefix.core.scheduler import Scheduler
+from jprefix.core.sequence import Sequence, SequenceStatus
 
 B = 4  # block size
 

@@ -3,9 +3,9 @@ eviction leaves first, delete_prefix, pinning and reset."""
 
 import pytest
 
-from jprefix.block_manager import BlockManager
-from jprefix.prefix_cache import PrefixPool, prefix_hash_of, root_hash
-from jprefix.sequence import Sequence
+from jprefix.core.block_manager import BlockManager
+from jprefix.core.prefix_cache import PrefixPool, prefix_hash_of, root_hash
+from jprefix.core.sequence import Sequence
 
 B = 4
 POLICY = list(range(100, 108))  # 2 blocks

@@ -2,7 +2,7 @@
 
 import jprefix
 from jprefix import LLM
-from jprefix.memcheck import step_memory_report
+from scripts.memcheck import step_memory_report
 
 
 def test_step_updates_kv_cache_in_place():
@@ -54,9 +54,9 @@ def test_a_failed_launch_fails_every_later_step_clearly(monkeypatch):
     instead of running on a consumed cache and stale pending tokens."""
     import pytest
 
-    import jprefix.runner as runner_mod
+    import jprefix.worker.model_runner as runner_mod
     from jprefix import SamplingParams
-    from jprefix.scheduler import synthetic_rows
+    from scripts.memcheck import synthetic_rows
 
     tiny = jprefix.load("tiny-llama", dtype="float32", load_format="dummy")
     llm = LLM(tiny, block_size=8, num_kv_blocks=32)
@@ -76,7 +76,7 @@ def test_mixed_step_gives_each_row_its_token_in_any_row_order(sharp_tiny):
     """A step of prefill chunks and decodes in any order: the runner moves the one-token
     rows first (decode tiling for them), and each row still gets its own token, equal
     to the XLA backend's (the same rows, the same zero cache)."""
-    from jprefix.scheduler import synthetic_rows
+    from scripts.memcheck import synthetic_rows
 
     tiny = sharp_tiny
     contexts = [list(range(3 + 7 * n, 3 + 8 * n)) for n in (12, 9, 20, 5)]
@@ -131,7 +131,7 @@ def test_step_options_disable_rematerialization_and_keep_passes_already_disabled
     """The step's XLA options turn the rematerialization pass off (it recomputed matmuls
     of the H200's 7B steps), keep any pass that XLA_FLAGS already disables (the option
     replaces the flag's list), and leave XLA's default when asked to."""
-    from jprefix.step import _no_remat_options
+    from jprefix.worker.step import _no_remat_options
 
     assert _no_remat_options("") == {"xla_disable_hlo_passes": "rematerialization"}
     flags = "--xla_gpu_enable_command_buffer= --xla_disable_hlo_passes=foo,rematerialization,bar"

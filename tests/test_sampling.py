@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jprefix.sampling import sample
+from jprefix.worker.sampler import sample
 
 
 def _call(logits, temperature, top_k=-1, top_p=1.0, seeds=None, counters=None):

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jprefix.block_manager import BlockManager
-from jprefix.config import SchedulerConfig
-from jprefix.prefix_cache import PrefixPool
-from jprefix.sampling_params import SamplingParams
-from jprefix.scheduler import Scheduler
-from jprefix.sequence import Sequence, SequenceStatus
+from jprefix.core.block_manager import BlockManager
+from jprefix.core.config import SchedulerConfig
+from jprefix.core.prefix_cache import PrefixPool
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.core.scheduler import Scheduler
+from jprefix.core.sequence import Sequence, SequenceStatus
 
 V, EOS = 50, 0
 

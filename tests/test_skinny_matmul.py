@@ -108,7 +108,7 @@ def _pallas_calls(fn, *args):
 
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
-    from jprefix.step import _linear
+    from jprefix.worker.step import _linear
     from models.llama import dense_linear
 
     linear = _linear("pallas-interpret", None)
@@ -128,7 +128,7 @@ def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
 @pytest.mark.skipif(INTERPRET, reason="the compiled kernel's shapes (a 7B layer) on a GPU")
 @pytest.mark.parametrize("n,act", [(12288, None), (2 * 11008, "silu_mul")])
 def test_runner_linear_on_gpu_matches_xla_on_a_7b_layer(n, act):
-    from jprefix.step import _linear
+    from jprefix.worker.step import _linear
     from models.llama import dense_linear
 
     x, w = make(np.random.default_rng(2), 16, 4096, n, jnp.bfloat16)

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jprefix.batch import Layout, layout_spans
-from jprefix.parallel import per_shard
-from jprefix.sampling import sample
+from jprefix.worker.pack import Layout, layout_spans
+from jprefix.worker.parallel import per_shard
+from jprefix.worker.sampler import sample
 from models.config import ModelConfig
 from models.llama import (
     LinearFn,
@@ -117,7 +117,7 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
 
 
 def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-    """Inverse of `jprefix.batch.flatten_batch`, inside the jitted step."""
+    """Inverse of `jprefix.worker.pack.flatten_batch`, inside the jitted step."""
     out = {}
     for name, shape, dtype, start, size in layout_spans(layout):
         part = flat[start : start + size]
@@ -163,7 +163,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
     scheduling: this step was dispatched before that one's ids reached the host).
     `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
     `greedy` (every temperature is 0) skips the sampling machinery. `cascade` (the batch
-    carries jprefix.cascade's arrays) attends each group's shared prefix once. With a
+    carries jprefix.core.cascade's arrays) attends each group's shared prefix once. With a
     tensor-parallel `mesh`, the KV write and attention run per device on its heads.
     """
     batch = unflatten_batch(flat, layout)

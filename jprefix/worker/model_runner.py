@@ -1,5 +1,5 @@
 """The model runner (device side of the engine): the weights, the paged KV cache, and
-the dispatch of packed steps to the jitted `jprefix.step.step` on one launch thread.
+the dispatch of packed steps to the jitted `jprefix.worker.step.step` on one launch thread.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jprefix.batch import (
+from jprefix.core.cascade import CascadePlan, pack_cascade
+from jprefix.worker.pack import (
     BucketConfig,
     PackCache,
     PackedStep,
@@ -25,10 +26,9 @@ from jprefix.batch import (
     pack_flat,
     pack_step,
 )
-from jprefix.cascade import CascadePlan, pack_cascade
-from jprefix.parallel import REPLICATED, kv_sharding, shard_params
-from jprefix.repack import remember_decode, repack_decode
-from jprefix.step import BACKENDS, KVCache, default_backend, step
+from jprefix.worker.parallel import REPLICATED, kv_sharding, shard_params
+from jprefix.worker.repack import remember_decode, repack_decode
+from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
 from models.config import ModelConfig
 from models.llama import fuse_projections, unstack_layers
 
@@ -111,8 +111,8 @@ def pack_rows(scheduled: Seq, plan: CascadePlan | None, block_size: int,
     mixes one-token rows with longer ones puts the one-token rows first and records
     their count (`num_decode`), so attention runs them with the decode tiling
     (`mixed_paged_attention`). `cache` carries what the next step may reuse
-    (`jprefix.batch.PackCache`), including a steady decode batch's last buffers
-    (`jprefix.repack.repack_decode`)."""
+    (`jprefix.worker.pack.PackCache`), including a steady decode batch's last buffers
+    (`jprefix.worker.repack.repack_decode`)."""
     order = plan.order if plan is not None else None
     if order is not None:
         scheduled = list(map(scheduled.__getitem__, order))
@@ -186,7 +186,7 @@ class ModelRunner:
         fixed_inputs: bool | None = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
-        free once the weights are placed; `mesh` (jprefix.parallel) shards weights and
+        free once the weights are placed; `mesh` (jprefix.worker.parallel) shards weights and
         cache for tensor parallelism. `fixed_inputs` passes each step's packed buffers in
         device buffers refilled in place (`FixedInputs`); None: where XLA records command
         buffers (on GPU, with JPREFIX_XLA_COMMAND_BUFFERS=1)."""

@@ -12,7 +12,7 @@ and the ids are folded into the model's vocabulary (id % vocab_size): lengths st
 real BPE tokenizer, equal texts stay equal, and timing does not depend on the ids. Machines
 without the GGUF or the dataset (the GPU box) read a pre-tokenized file written here:
 
-    python scripts/datasets.py sharegpt --num-prompts 1000 --output sharegpt_smollm2.json
+    python scripts/workloads.py sharegpt --num-prompts 1000 --output sharegpt_smollm2.json
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from jprefix.engine import LLMEngine
-from jprefix.outputs import RequestOutput
-from jprefix.sequence import Sequence
+from jprefix.core.outputs import RequestOutput
+from jprefix.core.sequence import Sequence
+from jprefix.engine.llm_engine import LLMEngine
 
 
 @dataclass

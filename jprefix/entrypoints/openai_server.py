@@ -20,10 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from jprefix.api import LLM
-from jprefix.detokenizer import IncrementalDetokenizer
-from jprefix.outputs import RequestOutput
-from jprefix.sampling_params import SamplingParams
+from jprefix.core.outputs import RequestOutput
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.engine.detokenizer import IncrementalDetokenizer
+from jprefix.entrypoints.llm import LLM
 
 
 class _Sampling(BaseModel):

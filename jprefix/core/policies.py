@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jprefix.prefix_cache import PrefixPool, PrefixTrie, prefix_hash_of
-from jprefix.sequence import Sequence, SequenceStatus
+from jprefix.core.prefix_cache import PrefixPool, PrefixTrie, prefix_hash_of
+from jprefix.core.sequence import Sequence, SequenceStatus
 
 DEFAULT_MAX_WAIT = 30.0  # seconds
 

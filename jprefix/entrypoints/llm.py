@@ -8,13 +8,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jprefix.async_engine import AsyncDriver
-from jprefix.engine import EngineArgs, LLMEngine
-from jprefix.outputs import RequestOutput
-from jprefix.parallel import make_mesh
-from jprefix.runner import prepare_params
-from jprefix.sampling_params import SamplingParams
-from jprefix.validation import as_prompt_list, broadcast
+from jprefix.core.outputs import RequestOutput
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.engine.args import EngineArgs
+from jprefix.engine.input_processor import as_prompt_list, broadcast
+from jprefix.engine.llm_engine import LLMEngine
+from jprefix.entrypoints.async_driver import AsyncDriver
+from jprefix.worker.model_runner import prepare_params
+from jprefix.worker.parallel import make_mesh
 from models.loader import LoadedModel, load, model_config
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}

@@ -11,8 +11,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from jprefix.block_manager import BlockManager
-from jprefix.prefix_trie import PrefixNode, PrefixTrie, block_hash, prefix_hash_of, root_hash
+from jprefix.core.block_manager import BlockManager
+from jprefix.core.prefix_trie import PrefixNode, PrefixTrie, block_hash, prefix_hash_of, root_hash
 
 __all__ = ["Prefix", "PrefixCacheStats", "PrefixNode", "PrefixPool", "PrefixTrie",
            "block_hash", "prefix_hash_of", "root_hash"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:
-    from jprefix.repack import DecodeStep
+    from jprefix.worker.repack import DecodeStep
 
 
 def bucket(n: int, minimum: int, step: int | None = None) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jprefix.batch import flatten_batch, pack_step
-from jprefix.runner import ModelRunner
-from jprefix.scheduler import synthetic_rows
-from jprefix.step import step
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.core.scheduler import ScheduledSeq
+from jprefix.core.sequence import Sequence
+from jprefix.worker.model_runner import ModelRunner
+from jprefix.worker.pack import flatten_batch, pack_step
+from jprefix.worker.step import step
 
 
 def compile_step(runner: ModelRunner, scheduled) -> jax.stages.Compiled:
@@ -33,3 +35,17 @@ def step_memory_report(runner: ModelRunner, num_tokens: int = 16) -> dict[str, i
         alias_bytes=analysis.alias_size_in_bytes,
         temp_bytes=analysis.temp_size_in_bytes,
     )
+
+
+def synthetic_rows(contexts, block_tables, num_new, sampling_params=None,
+                   seeds=None) -> list[ScheduledSeq]:
+    """Rows that compute the last `num_new[i]` tokens of `contexts[i]` (all sampled),
+    over the given block tables: for benchmarks and checks that drive the runner
+    without a scheduler. Greedy unless `sampling_params` says otherwise."""
+    sp = sampling_params or SamplingParams(temperature=0.0, max_tokens=1)
+    rows = []
+    for i, (ctx, table, n) in enumerate(zip(contexts, block_tables, num_new, strict=True)):
+        seq = Sequence(f"synthetic-{i}", list(ctx), sp, seed=0 if seeds is None else seeds[i])
+        seq.block_table = list(table)
+        rows.append(ScheduledSeq(seq, len(ctx) - n, n, True))
+    return rows

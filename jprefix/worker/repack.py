@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jprefix.batch import PackCache, PackedStep, RowsCache, bucket, flat_views, scatter_runs
+from jprefix.worker.pack import PackCache, PackedStep, RowsCache, bucket, flat_views, scatter_runs
 
 
 @dataclass

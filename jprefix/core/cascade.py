@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jprefix.batch import RowsCache, bucket, ragged_rows
+from jprefix.worker.pack import RowsCache, bucket, ragged_rows
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def run_serve(args) -> int:
     from jprefix import LLM
-    from jprefix.server import serve
+    from jprefix.entrypoints.openai_server import serve
 
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
               load_format=args.load_format, block_size=args.block_size,

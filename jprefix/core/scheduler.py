@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import NamedTuple
 
-from jprefix.block_manager import BlockManager
-from jprefix.config import SchedulerConfig
-from jprefix.policies import POLICIES, FCFSPolicy, Policy, make_policy  # noqa: F401 (re-exported)
-from jprefix.prefix_cache import PrefixPool
-from jprefix.sequence import Sequence, SequenceStatus
+from jprefix.core.block_manager import BlockManager
+from jprefix.core.config import SchedulerConfig
+from jprefix.core.policies import make_policy
+from jprefix.core.prefix_cache import PrefixPool
+from jprefix.core.sequence import Sequence, SequenceStatus
 
 
 class ScheduledSeq(NamedTuple):
@@ -40,22 +40,6 @@ class ScheduledSeq(NamedTuple):
     start: int
     num_new_tokens: int
     sample: bool
-
-
-def synthetic_rows(contexts, block_tables, num_new, sampling_params=None,
-                   seeds=None) -> list[ScheduledSeq]:
-    """Rows that compute the last `num_new[i]` tokens of `contexts[i]` (all sampled),
-    over the given block tables: for benchmarks and checks that drive the runner
-    without a scheduler. Greedy unless `sampling_params` says otherwise."""
-    from jprefix.sampling_params import SamplingParams
-
-    sp = sampling_params or SamplingParams(temperature=0.0, max_tokens=1)
-    rows = []
-    for i, (ctx, table, n) in enumerate(zip(contexts, block_tables, num_new, strict=True)):
-        seq = Sequence(f"synthetic-{i}", list(ctx), sp, seed=0 if seeds is None else seeds[i])
-        seq.block_table = list(table)
-        rows.append(ScheduledSeq(seq, len(ctx) - n, n, True))
-    return rows
 
 
 @dataclass

@@ -1,0 +1,45 @@
+"""EngineArgs: the engine's knobs, named as vLLM names them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Engine knobs, named as vLLM names them."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    # "pallas" | "xla" | "pallas-interpret": the attention kernels, and on few-row steps
+    # the fused matmuls (jprefix.worker.step._linear); None: Pallas on GPU, XLA elsewhere
+    attention_backend: str | None = None
+    unroll_layers: bool | None = None  # None: unrolled on GPU, lax.scan elsewhere
+    enable_cascade: bool = True  # decode attends each shared prefix once per group
+    cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off
+    cascade_min_blocks: int = 4  # shared blocks before a group pays off
+    # Schedule and dispatch step N+1 before step N's tokens reach the host, so the host
+    # work of a step overlaps the device's; a stop found one step late costs one slot.
+    async_scheduling: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1  # devices the weights and KV heads are split over
+    cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
+    # step inputs in device buffers refilled in place (runner.FixedInputs); None: where
+    # XLA records command buffers
+    fixed_inputs: bool | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"
+            )
