@@ -1,4 +1,4 @@
-"""Engine benchmark (issue 4): shared-prefix throughput, TTFT, host share, KV memory.
+"""Engine benchmark: shared-prefix throughput, TTFT, host share, KV memory.
 
 Workload: N requests of `prefix` shared + `unique` own random tokens, `--output-len` new
 tokens each (ignore_eos), dummy weights of a real architecture. Each configuration runs

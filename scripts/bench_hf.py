@@ -4,6 +4,8 @@ Random weights of a named architecture, prompts of `prefix` shared + `unique` ow
 `--output-len` new tokens (min_new_tokens = max_new_tokens, so EOS never stops early),
 batches of `--batch-size`. Reports output tokens/s with the eager (dynamic) KV cache and,
 with --static, with HF's static cache (which generate compiles itself).
+
+    python scripts/bench_hf.py --model llama-2-7b --num-prompts 64 --batch-size 64 --output-len 128
 """
 
 from __future__ import annotations

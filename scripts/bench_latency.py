@@ -16,26 +16,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-
-def _load_throughput():
-    key = "jprefix_scripts_bench_throughput"
-    if key not in sys.modules:
-        path = Path(__file__).with_name("bench_throughput.py")
-        spec = importlib.util.spec_from_file_location(key, path)
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-bt = _load_throughput()
+from jprefix import load
+from scripts.bench_throughput import (
+    add_workload_args,
+    build_requests,
+    check_args,
+    format_table,
+    make_llm,
+    make_seq,
+    run_once,
+    write_json,
+)
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -56,7 +52,7 @@ def run_trace(llm, reqs: list, arrivals: list[float]) -> dict:
     while nxt < len(reqs) or active:
         now = time.monotonic()
         while nxt < len(reqs) and start + arrivals[nxt] <= now:
-            seq = bt.make_seq(llm, reqs[nxt])
+            seq = make_seq(llm, reqs[nxt])
             seq.arrival_time = now
             engine.add_sequence(seq)
             active[seq.request_id], sent[seq.request_id] = seq, now
@@ -160,7 +156,7 @@ def flat_row(r: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bt.add_workload_args(ap)
+    add_workload_args(ap)
     ap.add_argument("--policy", default="fcfs")
     ap.add_argument("--request-rate", type=float, nargs="+", default=[4.0],
                     help="requests per second; several values: one trace each")
@@ -171,11 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-request-rate", type=float, default=1024.0)
     ap.add_argument("--sweep-steps", type=int, default=3)
     args = ap.parse_args(argv)
-    bt.check_args(args)
-    model = bt.load(args.model, args.dtype, args.load_format)
-    reqs = bt.build_requests(args, model)
-    llm = bt.make_llm(model, args, args.policy, args.enable_prefix_caching)
-    bt.run_once(llm, reqs)  # compiles the buckets of a full batch, then of the trace
+    check_args(args)
+    model = load(args.model, args.dtype, args.load_format)
+    reqs = build_requests(args, model)
+    llm = make_llm(model, args, args.policy, args.enable_prefix_caching)
+    run_once(llm, reqs)  # compiles the buckets of a full batch, then of the trace
     run_trace(llm, reqs, arrival_times(len(reqs), max(args.request_rate), args.seed))
     best = over = None
     if args.latency_bound_ms is not None:
@@ -189,12 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
                   max_rate_within_bound=best, min_rate_over_bound=over, **conf)
     if best is not None:
         result["at_bound"] = next(t for t in trials if t["request_rate"] == best)
-    bt.write_json(args.output_json, result)
+    write_json(args.output_json, result)
     del llm
     gc.collect()
     print(f"\n{args.model} ({args.load_format}), dataset {args.dataset}, {len(reqs)} requests"
           " per trace; latencies in ms")
-    print(bt.format_table([flat_row(t) for t in trials], COLUMNS))
+    print(format_table([flat_row(t) for t in trials], COLUMNS))
     if args.latency_bound_ms is not None:
         print(f"highest rate with {args.latency_metric} E2E <= {args.latency_bound_ms} ms: "
               f"{best if best is not None else 'none tried'} req/s"

@@ -24,10 +24,10 @@ from jprefix import LLM, load  # noqa: E402
 from scripts.memcheck import (  # noqa: E402
     compile_step,
     step_memory_report,
-    synthetic_rows,  # noqa: E402
+    synthetic_rows,
 )
 
-COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200
+COPY_BW = 4.3e12  # bytes/s: the H200's device-to-device copy bandwidth (the floor's rate)
 
 
 def fake_decode_batch(batch: int, context: int, block_size: int, num_blocks: int, rng):

@@ -13,29 +13,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
-
-
-def load_sibling(name: str):
-    """scripts/<name>.py as a module (scripts/ is not a package; `datasets` would clash)."""
-    key = f"jprefix_scripts_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-ds = load_sibling("workloads")
+from scripts.workloads import (  # noqa: E402
+    load_requests,
+    load_tokenizer,
+    sharegpt_requests,
+    synthetic_requests,
+)
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -88,17 +79,17 @@ def check_args(args: argparse.Namespace) -> None:
 def build_requests(args: argparse.Namespace, model) -> list:
     vocab = model.config.vocab_size
     if args.dataset == "synthetic":
-        return ds.synthetic_requests(
+        return synthetic_requests(
             args.num_prompts, args.input_len, args.output_len or 128, args.prefix_len,
             args.num_prefixes, vocab, args.seed, args.prefix_levels, args.overlap,
             explicit=args.prefix_mode == "explicit", flat=args.flat_prefixes,
             block_size=args.block_size)
     path = None if args.dataset == "sharegpt" else args.dataset
-    reqs = ds.load_requests(path, vocab) if path else None
+    reqs = load_requests(path, vocab) if path else None
     if reqs is None:
-        tokenizer = model.tokenizer or ds.load_tokenizer(args.tokenizer)
-        reqs = ds.sharegpt_requests(args.num_prompts, tokenizer, vocab, args.seed,
-                                    output_len=args.output_len, path=path)
+        tokenizer = model.tokenizer or load_tokenizer(args.tokenizer)
+        reqs = sharegpt_requests(args.num_prompts, tokenizer, vocab, args.seed,
+                                 output_len=args.output_len, path=path)
     if len(reqs) < args.num_prompts:
         raise SystemExit(f"{args.dataset} holds {len(reqs)} requests, {args.num_prompts} asked")
     reqs = reqs[: args.num_prompts]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
@@ -27,34 +25,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import jax  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
-from scripts.bench_throughput import write_json  # noqa: E402  (run with PYTHONPATH=$PWD)
+from scripts.bench_engine import make_prompts  # noqa: E402
+from scripts.bench_throughput import write_json  # noqa: E402
+from scripts.device_trace import (  # noqa: E402
+    device_pids,
+    load_trace,
+    perfetto_file,
+    union_length,
+)
 
 STEP_MARK = "jprefix_engine_step"
-
-
-def load_trace(trace_dir: str) -> list[dict]:
-    path = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))
-    if not path:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
-    with gzip.open(path[0]) as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for lo, hi in sorted(intervals):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
-
-
-def device_pids(events: list[dict]) -> set:
-    """The trace's GPU device processes (none on the CPU backend)."""
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
 
 
 def summarize(events: list[dict], top: int = 15) -> dict:
@@ -115,9 +95,7 @@ def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> di
     jax.profiler.stop_trace()
     summary = summarize(load_trace(trace_dir), TOP_KERNELS)
     if keep_dir:
-        src = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*",
-                                     "perfetto_trace.json.gz"))[0]
-        shutil.copy(src, os.path.join(keep_dir, f"{tag}.perfetto.json.gz"))
+        shutil.copy(perfetto_file(trace_dir), os.path.join(keep_dir, f"{tag}.perfetto.json.gz"))
     shutil.rmtree(trace_dir, ignore_errors=True)
     return summary
 
@@ -196,20 +174,6 @@ def profile_ttft(llm: LLM, prompt, prefix_len: int, cached: bool, keep_dir, tag)
         llm.engine.args.async_scheduling = was_async
 
 
-def _make_prompts(*args):
-    """bench_engine's workload (scripts/ is not a package: loaded by path)."""
-    import importlib.util
-    import sys
-
-    key = "jprefix_scripts_bench_engine"
-    if key not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_engine.py")
-        spec = importlib.util.spec_from_file_location(key, path)
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key].make_prompts(*args)
-
-
 def main(argv: list[str] | None = None) -> dict:
     global TOP_KERNELS
     ap = argparse.ArgumentParser(description=__doc__)
@@ -240,8 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = load(args.model, dtype=args.dtype, load_format="dummy")
     llm = LLM(model=model, num_kv_blocks=args.num_kv_blocks)
-    prompts = _make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
-                           model.config.vocab_size, 0)
+    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
+                          model.config.vocab_size, 0)
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d"), configs={})
     if args.keep_traces:

@@ -4,24 +4,12 @@ plots on the tiny model."""
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from scripts import workloads as ds
 
-
-def script(name: str):
-    key = f"jprefix_scripts_{name}"  # the name the scripts load each other under
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, SCRIPTS / f"{name}.py")
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-ds = script("workloads")
 TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
         "--block-size", "8", "--num-kv-blocks", "256"]
 
@@ -101,7 +89,7 @@ def test_multi_level_prefixes_share_their_upper_levels():
 
 
 def test_bench_throughput_smoke(tmp_path):
-    bt = script("bench_throughput")
+    from scripts import bench_throughput as bt
     out = tmp_path / "tp.json"
     result = bt.main([*TINY, "--num-prompts", "8", "--input-len", "40", "--prefix-len", "32",
                       "--output-len", "3", "--num-prefixes", "2", "--policy", "fcfs", "greedy",
@@ -126,7 +114,7 @@ def test_bench_throughput_smoke(tmp_path):
 
 
 def test_bench_throughput_reads_a_pretokenized_file_in_auto_mode(tmp_path):
-    bt = script("bench_throughput")
+    from scripts import bench_throughput as bt
     path = tmp_path / "tok.json"
     reqs = [ds.Request(list(range(1, 25)) + [100 + i, 200 + i], 2, 24, 0) for i in range(4)]
     ds.save_requests(str(path), reqs, {})
@@ -137,7 +125,7 @@ def test_bench_throughput_reads_a_pretokenized_file_in_auto_mode(tmp_path):
 
 
 def test_bench_latency_smoke_and_sweep(tmp_path):
-    bl = script("bench_latency")
+    from scripts import bench_latency as bl
     common = [*TINY, "--num-prompts", "6", "--input-len", "24", "--prefix-len", "16",
               "--output-len", "3"]
     out = tmp_path / "lat.json"
@@ -156,7 +144,7 @@ def test_bench_latency_smoke_and_sweep(tmp_path):
 
 
 def test_bench_engine_smoke(tmp_path):
-    be = script("bench_engine")
+    from scripts import bench_engine as be
     out = tmp_path / "engine.json"
     r = be.main(["--model", "tiny-llama", "--dtype", "float32", "--num-prompts", "8",
                  "--prefix-len", "32", "--unique-len", "8", "--output-len", "3",
@@ -174,12 +162,14 @@ def test_bench_engine_smoke(tmp_path):
     assert on["peak_used_blocks"] < off["peak_used_blocks"]
     assert r["ttft_ms_on_cached"] > 0 and r["ttft_ms_off"] > 0
     if importlib.util.find_spec("matplotlib") is not None:  # its chart
-        png = script("plots").main([str(out), "--out-dir", str(tmp_path)])
+        from scripts import plots
+
+        png = plots.main([str(out), "--out-dir", str(tmp_path)])
         assert len(png) == 1 and png[0].stat().st_size > 1000
 
 
 def test_profile_engine_smoke(tmp_path):
-    pe = script("profile_engine")
+    from scripts import profile_engine as pe
     r = pe.main(["--model", "tiny-llama", "--dtype", "float32", "--num-prompts", "8",
                  "--prefix-len", "32", "--unique-len", "8", "--output-len", "12",
                  "--warm-steps", "1", "--trace-steps", "3", "--num-kv-blocks", "256",
@@ -198,7 +188,9 @@ def test_profile_engine_smoke(tmp_path):
 def test_bench_cascade_smoke():
     # interpret mode: checks the plain and cascade kernels against the reference and
     # that the timing path (device time where a GPU reports kernels) runs end to end
-    rows = script("bench_cascade").main(["--smoke"])
+    from scripts import bench_cascade
+
+    rows = bench_cascade.main(["--smoke"])
     assert len(rows) == 1 and rows[0]["err_plain"] < 2e-2 and rows[0]["err_cascade"] < 2e-2
     assert rows[0]["plain_ms"] > 0 and rows[0]["prefix_ms"] > 0 and rows[0]["suffix_ms"] > 0
 
@@ -208,8 +200,10 @@ def test_sweep_attention_smoke(tmp_path):
     # reference (exit 0), timed, and the JSON written (--profile finds no device kernels
     # on the CPU and records wall time only)
     out = tmp_path / "sweep.json"
-    rc = script("sweep_attention").main(["--smoke", "--only", "short suffix", "--profile",
-                                         "--reps", "2", "--output-json", str(out)])
+    from scripts import sweep_attention
+
+    rc = sweep_attention.main(["--smoke", "--only", "short suffix", "--profile",
+                               "--reps", "2", "--output-json", str(out)])
     rows = json.loads(out.read_text())["shapes"]["short suffix 8 x 12"]
     assert rc == 0 and len(rows) == 2 and all(r["rel_err"] < 2e-2 and r["seconds"] for r in rows)
 
@@ -218,8 +212,10 @@ def test_bench_gemm_smoke(tmp_path):
     # interpret mode, one projection: XLA and every tiling of the two-stage sweep checked
     # against the reference, the best one kept, the JSON written
     out = tmp_path / "gemm.json"
-    r = script("bench_gemm").main(["--smoke", "--rows", "16", "--only", "gate_up",
-                                   "--output-json", str(out)])
+    from scripts import bench_gemm
+
+    r = bench_gemm.main(["--smoke", "--rows", "16", "--only", "gate_up",
+                         "--output-json", str(out)])
     row = json.loads(out.read_text())["rows"][0]
     assert not r["errors"] and row["xla_err"] < 1e-5 and row["best"]["err"] < 1e-5
     timed = [t for t in row["tried"] if "us" in t]  # (tilings that compiled and ran)
@@ -228,14 +224,18 @@ def test_bench_gemm_smoke(tmp_path):
 
 
 def test_bench_host_smoke():
-    r = script("bench_host").main(["--num-prompts", "16", "--prefix-len", "64",
-                                   "--unique-len", "8", "--steps", "10"])
+    from scripts import bench_host
+
+    r = bench_host.main(["--num-prompts", "16", "--prefix-len", "64",
+                         "--unique-len", "8", "--steps", "10"])
     assert r["num_seqs"] == 16 and 0 < r["ms_per_step_min"] <= r["ms_per_step_median"]
 
 
 def test_plots_write_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    bt, bl, plots = script("bench_throughput"), script("bench_latency"), script("plots")
+    from scripts import bench_latency as bl
+    from scripts import bench_throughput as bt
+    from scripts import plots
     files = []
     for name, caching in (("lat_on.json", "--enable-prefix-caching"),
                           ("lat_off.json", "--no-enable-prefix-caching")):

@@ -1,8 +1,8 @@
 """Probe: host time of one jitted call against the number of array arguments (the step
-takes ~200 weight buffers) and whether its flat inputs come from numpy (copied to the
+takes one per weight array) and whether its flat inputs come from numpy (copied to the
 device inside the call) or are on the device already.
 
-    PYTHONPATH=$PWD python scripts/probe_args.py
+    PYTHONPATH=$PWD python scripts/probes/probe_args.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 
 import jprefix  # noqa: F401  (the engine's XLA settings)
 from scripts.bench_throughput import write_json
-from scripts.probe_launch import issue_and_whole
+from scripts.probes.probe_launch import issue_and_whole
 
 
 @jax.jit

@@ -2,7 +2,7 @@
 input buffer addresses change? Times the jitted step called with (a) fresh host inputs
 each call, as the engine does, and (b) the same device input arrays every call.
 
-    XLA_FLAGS=... PYTHONPATH=$PWD python scripts/probe_dispatch.py --model llama-2-7b
+    XLA_FLAGS=... PYTHONPATH=$PWD python scripts/probes/probe_dispatch.py --model llama-2-7b
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, load  # noqa: E402
-from jprefix.worker.pack import flatten_batch, pack_step  # noqa: E402
+from jprefix.worker.flat_batch import flatten_batch  # noqa: E402
+from jprefix.worker.pack import pack_step  # noqa: E402
 from jprefix.worker.step import step  # noqa: E402
 from scripts.bench_step import fake_decode_batch  # noqa: E402
-from scripts.probe_launch import issue_and_whole  # noqa: E402
+from scripts.probes.probe_launch import issue_and_whole  # noqa: E402
 
 
 def _run_step(runner, prev, kw, flat):

@@ -8,7 +8,7 @@ the differences are host-side latency:
   spin_ready   poll out.is_ready() until true, then np.asarray(out)
   block        out.block_until_ready(), then np.asarray(out)
 
-    PYTHONPATH=$PWD python scripts/probe_fetch.py
+    PYTHONPATH=$PWD python scripts/probes/probe_fetch.py
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _fetch(out, how: str) -> np.ndarray:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=8192)
-    ap.add_argument("--layers", type=int, default=150, help="matmuls (H200: ~5 ms)")
+    ap.add_argument("--layers", type=int, default=150,
+                    help="matmuls in the chain (a few ms on a GPU)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)

@@ -1,10 +1,10 @@
 """Probe: the engine thread's host work in full-batch decode steps on the real runner
-(bench_host.py runs the same engine over a packing stub, without the device, the launch
+(scripts/bench_host.py runs the same engine over a packing stub, without the device, the launch
 thread or the jitted call). Runs the shared-prefix workload, then cProfiles the engine
 thread over `--steps` decode steps and prints the functions by own time, with the
 engine's own host-share figure for the same steps.
 
-    PYTHONPATH=$PWD python scripts/probe_host.py --model llama-2-7b
+    PYTHONPATH=$PWD python scripts/probes/probe_host.py --model llama-2-7b
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Probe: what one kernel launch costs the host on this machine, for XLA (a jitted chain
 of N tiny kernels that cannot fuse) and, when torch is installed, for PyTorch eager and
-a replayed CUDA graph of the same chain. The engine's steps launch ~430-580 kernels, so
+a replayed CUDA graph of the same chain. An engine step launches hundreds of kernels, so
 this per-launch cost bounds a step from below whatever the device does.
 
-    PYTHONPATH=$PWD python scripts/probe_launch.py [--kernels 500]
+    PYTHONPATH=$PWD python scripts/probes/probe_launch.py [--kernels 500]
 
 XLA runs as jprefix sets it up (command buffers off); JPREFIX_XLA_COMMAND_BUFFERS=1 keeps
 XLA's default, and XLA_FLAGS passes other settings (e.g. --xla_gpu_cublas_fallback=false).
@@ -18,7 +18,7 @@ import statistics
 import time
 
 import jprefix  # noqa: F401  (sets XLA's flags as the engine runs them, before jax starts)
-from scripts.bench_throughput import write_json  # (run with PYTHONPATH=$PWD)
+from scripts.bench_throughput import write_json
 
 
 def issue_and_whole(call, wait, reps: int) -> tuple[float, float]:
