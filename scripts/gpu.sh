@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
 # The H200 benchmark jobs, several per device call:  bash scripts/gpu.sh JOB [JOB ...]
 #
-#   kernels   bench_kernels.py: issue 3's table (decode vs JAX's paged attention, prefill
-#             vs cuDNN, prefix-cached prefill, write_kv)                       ~4 min
-#   cascade   bench_cascade.py: cascade vs plain decode attention (issue 6)     ~2 min
+#   kernels   bench_kernels.py: decode vs JAX's paged attention, prefill vs cuDNN,
+#             prefix-cached prefill, write_kv                                  ~4 min
+#   cascade   bench_cascade.py: cascade vs plain decode attention              ~2 min
 #   sweep     sweep_attention.py $SWEEP_ARGS (e.g. --only "llama3-8b B64")
-#   engine    bench_engine.py: cache + cascade vs cache off, TTFT (issues 4, 6) ~4 min
+#   engine    bench_engine.py: cache + cascade vs cache off, TTFT              ~4 min
 #   engine_cascade  bench_engine.py --compare-cascade --skip-off               ~3 min
 #   profile   profile_engine.py async+cascade: decode step, batch-1, TTFT step ~3 min
 #             ($PROFILE_ARGS, e.g. --top-kernels 60)
 #   ttft      bench_engine.py --ttft-only, XLA command buffers off / on with fixed
 #             input buffers / on with fresh ones                              ~4 min
 #   ttft_gemm TTFT with XLA's exhaustive GEMM tiling search; its autotune results
-#             loaded into a second process (not yet run)                  ~8 min?
+#             loaded into a second process                                    ~8 min
 #   gemm      bench_gemm.py: few-row matmuls of a 7B layer, skinny_matmul's tiling
-#             sweep vs XLA ($GEMM_ARGS, e.g. --rows 128 --only o,down)           ~5 min
-#   launch    probe_launch.py: host cost of one kernel launch, XLA vs torch eager/graph
+#             sweep vs XLA ($GEMM_ARGS, e.g. --rows 128 --only o,down)        ~5 min
 #   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
 #   b c d e   docs/RESULTS.md rows (b) policies, (c) trie vs flat, (d) chat latency,
 #             (e) ShareGPT (needs carry ["bench_data"])
 #
+# The one-off probes in scripts/probes/ (README.md there) run directly, not from here.
 # Logs and JSON go to $OUT (default out/); the processes share one persistent compilation
-# cache, so a second process on the same shapes skips most of the ~60-100 s of compiles.
+# cache, so a second process on the same shapes skips most of its compiles.
 # Each job's time limit can be lowered with T_<job>=seconds.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -84,13 +84,6 @@ job_profile() {
   run profile 240 python3 scripts/profile_engine.py --model llama-2-7b --configs async+cascade \
     ${PROFILE_ARGS:-} --output-json "$OUT/profile.json"
 }
-job_launch() {  # as the engine runs XLA, then with $LAUNCH_XLA_FLAGS added
-  run launch 120 python3 scripts/probe_launch.py --output-json "$OUT/launch.json"
-  if [ -n "${LAUNCH_XLA_FLAGS:-}" ]; then
-    XLA_FLAGS="${XLA_FLAGS:-} $LAUNCH_XLA_FLAGS" run launch_flags 120 python3 \
-      scripts/probe_launch.py --output-json "$OUT/launch_flags.json"
-  fi
-}
 job_host() {
   local flag i
   echo "== host ($(date +%T))"
@@ -133,7 +126,7 @@ job_e() {
     --output-json "$OUT/e_sharegpt.json"
 }
 
-if [ $# -eq 0 ]; then sed -n '2,23p' "$0"; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,24p' "$0"; exit 2; fi
 for job in "$@"; do
   if ! declare -F "job_$job" > /dev/null; then echo "unknown job: $job" >&2; exit 2; fi
 done
