@@ -2,6 +2,10 @@
 
 Shape letters: T tokens, S sequences, L layers, H query heads, K kv heads, G = H // K,
 D head dim, E hidden, F mlp hidden, V vocab. Query head h uses kv head h // G.
+
+The weights' layout ("stacked", "per_layer" or "fused", see `Params`) is a static field of
+the params; models.layout converts between layouts and models.reference holds the dense
+reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 
@@ -49,11 +51,12 @@ def dense_linear(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Arra
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """Per-layer weights, each stacked on a leading L axis; linears stored [in, out].
+    """Layer weights; linears stored [in, out]. The shapes below are those of the "stacked"
+    layout; in the per-layer layouts each LayerParams holds one layer (no L axis).
 
-    Fused form (`fuse_projections`, per-layer weights only): `wq` holds [wq | wk | wv]
-    (and `bq` the three biases) with `wk`/`wv`/`bk`/`bv` None, and `w_gate` holds
-    [w_gate | w_up] with `w_up` None: one matmul each instead of three and two.
+    Fused form (layout "fused"): `wq` holds [wq | wk | wv] (and `bq` the three biases)
+    with `wk`/`wv`/`bk`/`bv` None, and `w_gate` holds [w_gate | w_up] with `w_up` None:
+    one matmul each instead of three and two.
     """
 
     attn_norm: jax.Array  # [L, E]
@@ -73,14 +76,45 @@ class LayerParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Params:
+    """The model's weights. `layout` is static pytree metadata (part of the treedef, not a
+    leaf; one of LAYOUTS) naming the form of `layers`:
+
+    - "stacked": one LayerParams, every field stacked on a leading L axis; the layers run
+      under lax.scan. What the loaders and init_params produce.
+    - "per_layer": a tuple of L LayerParams, unrolled in the forward.
+    - "fused": as "per_layer", with Q/K/V and gate/up fused (see LayerParams).
+    """
+
     embed: jax.Array  # [V, E]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]
     final_norm: jax.Array  # [E]
     lm_head: jax.Array | None  # [E, V]; None when tied to embed
+    layout: str = dataclasses.field(default="stacked", metadata={"static": True})
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown Params layout {self.layout!r}; expected one of {LAYOUTS}")
+
+
+LAYOUTS = ("stacked", "per_layer", "fused")
+
+
+def check_layout(params: Params) -> None:
+    """ValueError, naming the combination, unless `params.layers` has the form that
+    `params.layout` names (a tuple iff per-layer; fused fields iff "fused")."""
+    layout, layers = params.layout, params.layers
+    if isinstance(layers, tuple) != (layout != "stacked"):
+        form = "a tuple of per-layer LayerParams" if isinstance(layers, tuple) else "stacked layers"
+        raise ValueError(f"Params layout {layout!r} with {form}")
+    fused = layout == "fused"
+    for lp in layers if isinstance(layers, tuple) else (layers,):
+        if (lp.wk is None, lp.w_up is None) != (fused, fused):
+            form = "unfused" if fused else "fused (wk or w_up None)"
+            raise ValueError(f"Params layout {layout!r} with {form} Q/K/V or gate/up weights")
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
-    """A Params pytree of shape tuples (leading L axis on layer fields)."""
+    """A stacked Params pytree of shape tuples (leading L axis on layer fields)."""
     e, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bias = cfg.attention_bias
@@ -97,23 +131,8 @@ def _is_shape(x: Any) -> bool:
     return isinstance(x, tuple)
 
 
-def param_partition_specs(cfg: ModelConfig, axis: str = "tp") -> Params:
-    """PartitionSpecs for tensor parallelism over mesh axis `axis` (Megatron-style).
-
-    Q/K/V and gate/up are split by output (heads / F), wo and w_down by input; norms are
-    replicated; embed and lm_head are split on the hidden / vocab axis.
-    """
-    col, row, rep = P(None, None, axis), P(None, axis, None), P()
-    bias = P(None, axis) if cfg.attention_bias else None
-    layers = LayerParams(
-        attn_norm=rep, wq=col, wk=col, wv=col, bq=bias, bk=bias, bv=bias, wo=row,
-        mlp_norm=rep, w_gate=col, w_up=col, w_down=row)
-    lm_head = None if cfg.tie_word_embeddings else P(None, axis)
-    return Params(embed=P(None, axis), layers=layers, final_norm=rep, lm_head=lm_head)
-
-
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> Params:
-    """Random weights (normal, std 0.02; norms 1).
+    """Random stacked weights (normal, std 0.02; norms 1).
 
     jit it with cfg and dtype static (and out_shardings) to create the weights on device.
     """
@@ -173,10 +192,11 @@ def _fused_qkv(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
     return qkv if lp.bq is None else qkv + lp.bq
 
 
-def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn
+def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fused: bool
          ) -> tuple[jax.Array, ...]:
+    """(q [..., H, D], k [..., K, D], v [..., K, D]) before RoPE."""
     lead, d = h.shape[:-1], cfg.head_dim
-    if lp.wk is None:  # fused [wq | wk | wv]
+    if fused:  # [wq | wk | wv]
         qkv = _fused_qkv(h, lp, linear)
         hd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
         q, k, v = qkv[..., :hd], qkv[..., hd : hd + kd], qkv[..., hd + kd :]
@@ -188,8 +208,8 @@ def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
-def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
-    if lp.w_up is None:  # fused [w_gate | w_up]
+def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, fused: bool) -> jax.Array:
+    if fused:  # [w_gate | w_up]
         act = linear(h, lp.w_gate, "silu_mul")
     else:
         act = jax.nn.silu(linear(h, lp.w_gate)) * linear(h, lp.w_up)
@@ -201,111 +221,47 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
             qkv_attn_fn: QKVAttnFn | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
-    With stacked layers (`params.layers` a LayerParams) the layers run under lax.scan with
-    `cache` in the carry; with a tuple of per-layer LayerParams (see `unstack_layers`) they
-    are unrolled, which on GPU avoids slicing each layer's weights out of the stack (a copy
-    per layer per step) and the while loop's per-iteration host round trip. Attention (and
-    any KV cache write) is delegated to `attn_fn(q, k, v, cache, layer)`, the layers'
-    matmuls to `linear` (default: XLA's). Layers with fused Q/K/V weights go to
-    `qkv_attn_fn` instead, where given: it takes the projection before RoPE and rotates Q
-    and K itself (one kernel for the rotation and the KV write).
+    `params.layout` (checked by `check_layout`, at trace time) decides how the layers run:
+    "stacked" under lax.scan with `cache` in the carry; "per_layer" and "fused" unrolled,
+    which on GPU avoids slicing each layer's weights out of the stack (a copy per layer
+    per step) and the while loop's per-iteration host round trip. Attention (and any KV
+    cache write) is delegated to `attn_fn(q, k, v, cache, layer)`, the layers' matmuls to
+    `linear` (default: XLA's). With layout "fused" and `qkv_attn_fn` given, attention goes
+    to `qkv_attn_fn` instead: it takes the projection before RoPE and rotates Q and K
+    itself (one kernel for the rotation and the KV write).
     """
+    check_layout(params)
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
-                             attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn)
-    if isinstance(params.layers, tuple):
-        for i, lp in enumerate(params.layers):
-            (x, cache), _ = body((x, cache), (lp, jnp.int32(i)))
-    else:
+                             attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
+                             fused=params.layout == "fused")
+    if params.layout == "stacked":
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
+    else:
+        for i, lp in enumerate(params.layers):
+            (x, cache), _ = body((x, cache), (lp, jnp.int32(i)))
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), cache
 
 
 def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
            positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn,
-           qkv_attn_fn: QKVAttnFn | None = None):
+           qkv_attn_fn: QKVAttnFn | None, fused: bool):
     x, cache = carry
     lp, layer = xs
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    if qkv_attn_fn is not None and lp.wk is None:
+    if fused and qkv_attn_fn is not None:
         qkv = _fused_qkv(h, lp, linear)
         out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
                                  inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
-        q, k, v = _qkv(h, lp, cfg, linear)
+        q, k, v = _qkv(h, lp, cfg, linear, fused)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
     x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
-    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear)
+    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, fused)
     return (x, cache), None
 
-
-def unstack_layers(params: Params, fuse: bool = False) -> Params:
-    """Params whose `layers` is a tuple of per-layer LayerParams (for the unrolled forward);
-    with `fuse`, in the fused form (see LayerParams; single device only).
-
-    The split copies the layer weights once, field by field (fused fields straight from
-    the stacks, so the weights never exist three times); a field sharded over a mesh
-    stays sharded the same way (its spec without the layer axis), so a tensor-parallel
-    model is never gathered onto one device. The stacked arrays are freed when the caller
-    drops them.
-    """
-    stacked = params.layers
-    num_layers = stacked.attn_norm.shape[0]
-    groups = {"wq": ("wq", "wk", "wv"), "bq": ("bq", "bk", "bv"),
-              "w_gate": ("w_gate", "w_up")} if fuse else {}
-    fused_away = {name for names in groups.values() for name in names[1:]}
-    fields = {}
-    for f in dataclasses.fields(LayerParams):
-        value = getattr(stacked, f.name)
-        if value is None or f.name in fused_away:
-            fields[f.name] = [None] * num_layers
-        elif f.name in groups:
-            fields[f.name] = _split_concat([getattr(stacked, n) for n in groups[f.name]])
-        else:
-            fields[f.name] = _split_layers(value)
-    layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
-                   for i in range(num_layers))
-    return dataclasses.replace(params, layers=layers)
-
-
-def _split_concat(stacks: list[jax.Array]) -> list[jax.Array]:
-    """Per-layer concatenations of same-depth stacks along the output axis."""
-    split = jax.jit(lambda *xs: tuple(jnp.concatenate([x[i] for x in xs], axis=-1)
-                                      for i in range(xs[0].shape[0])))
-    return list(split(*stacks))
-
-
-def fuse_projections(params: Params) -> Params:
-    """Per-layer params (`unstack_layers`) with Q/K/V and gate/up each concatenated into
-    one matrix (see LayerParams); the unfused arrays stay alive while the caller holds
-    them (from stacked params, `unstack_layers(params, fuse=True)` skips that copy).
-    Single-device only: a tensor-parallel split of the concatenation would mix heads."""
-    if not isinstance(params.layers, tuple):
-        raise ValueError("fuse_projections needs per-layer params (unstack_layers first)")
-    cat = jax.jit(lambda *xs: jnp.concatenate(xs, axis=-1))
-    layers = []
-    for lp in params.layers:
-        if lp.wk is None:  # already fused
-            layers.append(lp)
-            continue
-        bias = None if lp.bq is None else cat(lp.bq, lp.bk, lp.bv)
-        layers.append(dataclasses.replace(
-            lp, wq=cat(lp.wq, lp.wk, lp.wv), wk=None, wv=None, bq=bias, bk=None, bv=None,
-            w_gate=cat(lp.w_gate, lp.w_up), w_up=None))
-    return dataclasses.replace(params, layers=tuple(layers))
-
-
-def _split_layers(x: jax.Array) -> list[jax.Array]:
-    sharding = x.sharding
-    out = None
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-        out = NamedSharding(sharding.mesh, P(*spec[1:]))
-    split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])),
-                    out_shardings=None if out is None else (out,) * x.shape[0])
-    return list(split(x))
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -316,101 +272,3 @@ def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.A
     return jnp.einsum("...e,ev->...v", hidden, params.lm_head,
                       preferred_element_type=jnp.float32)
 
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                     kv_pos: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
-    """Plain attention: q [S,T,H,D], k/v [S,U,K,D]; row t sees keys with kv_pos <= q_pos[t].
-
-    q_pos [T], kv_pos [U], kv_valid optional [U] bool; returns [S,T,H,D] in q.dtype.
-    """
-    s, t, h, d = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(s, t, kh, h // kh, d)
-    scores = jnp.einsum("stkgd,sukd->skgtu", qg, k, preferred_element_type=jnp.float32)
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [T, U]
-    if kv_valid is not None:
-        mask = mask & kv_valid[None, :]
-    scores = jnp.where(mask, scores / math.sqrt(d), -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("skgtu,sukd->stkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(s, t, h, d).astype(q.dtype)
-
-
-def dense_forward(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
-    """Reference forward without a cache: token_ids [S, T] -> float32 logits [S, T, V]."""
-    pos = jnp.arange(token_ids.shape[1], dtype=jnp.int32)
-
-    def attn(q, k, v, cache, layer):
-        return causal_attention(q, k, v, pos, pos), cache
-
-    positions = jnp.broadcast_to(pos, token_ids.shape)
-    hidden, _ = forward(params, cfg, token_ids, positions, None, attn)
-    return compute_logits(params, cfg, hidden)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DenseKVCache:
-    """Contiguous per-sequence KV cache; every sequence holds `length` tokens."""
-
-    k: jax.Array  # [L, S, M, K, D]
-    v: jax.Array  # [L, S, M, K, D]
-    length: jax.Array  # int32 scalar: tokens already cached
-
-
-def init_dense_cache(cfg: ModelConfig, num_seqs: int, max_len: int, dtype: Any) -> DenseKVCache:
-    shape = (cfg.num_layers, num_seqs, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return DenseKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.int32(0))
-
-
-def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCache,
-                     layer: jax.Array) -> tuple[jax.Array, DenseKVCache]:
-    """attn_fn over a DenseKVCache: writes k/v [S,T,K,D] at cache.length, attends causally.
-
-    The caller advances `cache.length` by T after the forward (all layers write the same slots).
-    """
-    start = cache.length
-    idx = (layer, 0, start, 0, 0)
-    kc = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), idx)
-    vc = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), idx)
-    max_len = kc.shape[2]
-    kv_pos = jnp.arange(max_len, dtype=jnp.int32)
-    q_pos = start + jnp.arange(q.shape[1], dtype=jnp.int32)
-    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos)
-    return out, DenseKVCache(kc, vc, cache.length)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _dense_step(params: Params, cfg: ModelConfig, token_ids: jax.Array,
-                cache: DenseKVCache) -> tuple[jax.Array, DenseKVCache]:
-    """token_ids [S, T] appended after cache.length -> (greedy next ids [S], cache)."""
-    t = token_ids.shape[1]
-    positions = cache.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), token_ids.shape)
-    hidden, cache = forward(params, cfg, token_ids, positions, cache, dense_cache_attn)
-    logits = compute_logits(params, cfg, hidden[:, -1])
-    cache = DenseKVCache(cache.k, cache.v, cache.length + t)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
-
-
-def dense_generate(params: Params, cfg: ModelConfig, prompt_ids: list[int],
-                   max_new_tokens: int, eos_token_ids: tuple[int, ...] | None = None,
-                   ) -> list[int]:
-    """Greedy generation with a contiguous KV cache (the model reference).
-
-    Stops after an id in `eos_token_ids` (default cfg.eos_token_ids; pass () to never stop),
-    which is included in the output.
-    """
-    if not prompt_ids:
-        raise ValueError("prompt_ids must be non-empty")
-    eos = set(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    max_len = -(-(len(prompt_ids) + max_new_tokens) // 64) * 64
-    cache = init_dense_cache(cfg, 1, max_len, params.embed.dtype)
-    tokens = jnp.asarray([prompt_ids], dtype=jnp.int32)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        next_ids, cache = _dense_step(params, cfg, tokens, cache)
-        out.append(int(next_ids[0]))
-        if out[-1] in eos:
-            break
-        tokens = next_ids[:, None]
-    return out

@@ -10,12 +10,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from models.config import PRESETS, ModelConfig
 from models.fetch import EMBEDDED, fetch_embedded, snapshot
 from models.gguf_loader import load_gguf
-from models.llama import Params, init_params, param_partition_specs
+from models.layout import param_shardings
+from models.llama import Params, init_params
 from models.safetensors_loader import load_hf_checkpoint, read_hf_config
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -145,9 +146,7 @@ def _shardings(mesh: Mesh | None, cfg_or_path: Any) -> Params | None:
     if mesh is None:
         return None
     cfg = cfg_or_path if isinstance(cfg_or_path, ModelConfig) else _config_of(cfg_or_path)
-    specs = param_partition_specs(cfg)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return param_shardings(cfg, mesh)
 
 
 def _config_of(path: Path) -> ModelConfig:

@@ -14,8 +14,8 @@ import torch
 import transformers
 
 from models.config import PRESETS, ModelConfig
-from models.llama import dense_forward, dense_generate
 from models.loader import load
+from models.reference import dense_forward, dense_generate
 
 _HF_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models.config import PRESETS, ModelConfig, from_hf_config
-from models.llama import (
+from models.layout import fuse_projections, param_partition_specs, unstack_layers
+from models.llama import LAYOUTS, compute_logits, forward, init_params, rope_inv_freq
+from models.reference import (
     causal_attention,
-    compute_logits,
     dense_cache_attn,
     dense_forward,
     dense_generate,
-    forward,
-    fuse_projections,
     init_dense_cache,
-    init_params,
-    param_partition_specs,
-    rope_inv_freq,
-    unstack_layers,
 )
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-smollm2"]
@@ -173,3 +170,24 @@ def test_per_layer_and_fused_projection_layouts_equal_the_stacked_model(name):
     assert jax.tree.structure(direct) == jax.tree.structure(fused)
     for p in (per_layer, fused, direct):
         np.testing.assert_allclose(dense_forward(p, cfg, tokens), want, atol=2e-4, rtol=1e-4)
+
+
+def test_every_layout_gives_the_dense_reference_logits_and_bad_layouts_raise():
+    cfg = PRESETS["tiny-qwen2"]  # GQA and qkv bias
+    params = _random_params(cfg)
+    tokens = jax.random.randint(jax.random.key(4), (2, 11), 0, cfg.vocab_size)
+    want = dense_forward(params, cfg, tokens)
+    laid = {"stacked": params, "per_layer": unstack_layers(params),
+            "fused": unstack_layers(params, fuse=True)}
+    run = jax.jit(_chunked_forward, static_argnums=(1, 3))  # the layout is static metadata
+    for layout in LAYOUTS:
+        assert laid[layout].layout == layout
+        got = run(laid[layout], cfg, tokens, (7, 4))
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4, err_msg=layout)
+    with pytest.raises(ValueError, match="'unrolled'"):
+        dataclasses.replace(params, layout="unrolled")
+    for params_of, layout in (("stacked", "per_layer"), ("per_layer", "stacked"),
+                              ("per_layer", "fused"), ("fused", "per_layer")):
+        wrong = dataclasses.replace(laid[params_of], layout=layout)
+        with pytest.raises(ValueError, match=f"layout '{layout}'"):
+            forward(wrong, cfg, tokens, tokens, None, lambda q, k, v, c, i: (q, c))

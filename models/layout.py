@@ -1,0 +1,117 @@
+"""Weight layouts of `Params` and the transforms between them.
+
+Loaders produce "stacked" params (every layer field stacked on a leading L axis).
+`unstack_layers` turns them into "per_layer" (a tuple of LayerParams) or, with `fuse`,
+straight into "fused"; `fuse_projections` turns "per_layer" into "fused". Each transform
+sets `Params.layout`, which `models.llama.forward` reads. Tensor parallelism places
+stacked params with `param_partition_specs` / `param_shardings`; fusing is single-device
+only, since splitting a concatenation [wq | wk | wv] by columns would mix heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from models.llama import LayerParams, Params, check_layout
+
+# fused field -> the fields concatenated into it along the output axis, in order
+_FUSED = {"wq": ("wq", "wk", "wv"), "bq": ("bq", "bk", "bv"), "w_gate": ("w_gate", "w_up")}
+
+
+def param_partition_specs(cfg: ModelConfig, axis: str = "tp") -> Params:
+    """PartitionSpecs of stacked params for tensor parallelism over mesh axis `axis`
+    (Megatron-style).
+
+    Q/K/V and gate/up are split by output (heads / F), wo and w_down by input; norms are
+    replicated; embed and lm_head are split on the hidden / vocab axis.
+    """
+    col, row, rep = P(None, None, axis), P(None, axis, None), P()
+    bias = P(None, axis) if cfg.attention_bias else None
+    layers = LayerParams(
+        attn_norm=rep, wq=col, wk=col, wv=col, bq=bias, bk=bias, bv=bias, wo=row,
+        mlp_norm=rep, w_gate=col, w_up=col, w_down=row)
+    lm_head = None if cfg.tie_word_embeddings else P(None, axis)
+    return Params(embed=P(None, axis), layers=layers, final_norm=rep, lm_head=lm_head)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, axis: str = "tp") -> Params:
+    """`param_partition_specs` as NamedShardings on `mesh` (for device_put or out_shardings)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_partition_specs(cfg, axis),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def unstack_layers(params: Params, fuse: bool = False) -> Params:
+    """Stacked params -> layout "per_layer" (a tuple of LayerParams), or "fused" with `fuse`
+    (see LayerParams; single device only). ValueError on any other input layout.
+
+    The split copies the layer weights once, field by field (fused fields straight from
+    the stacks, so the weights never exist three times); a field sharded over a mesh
+    stays sharded the same way (its spec without the layer axis), so a tensor-parallel
+    model is never gathered onto one device. The stacked arrays are freed when the caller
+    drops them.
+    """
+    check_layout(params)
+    if params.layout != "stacked":
+        raise ValueError(f"unstack_layers needs layout 'stacked', got {params.layout!r}")
+    stacked = params.layers
+    num_layers = stacked.attn_norm.shape[0]
+    groups = _FUSED if fuse else {}
+    fused_away = {name for names in groups.values() for name in names[1:]}
+    fields = {}
+    for f in dataclasses.fields(LayerParams):
+        value = getattr(stacked, f.name)
+        if value is None or f.name in fused_away:
+            fields[f.name] = [None] * num_layers
+        elif f.name in groups:
+            fields[f.name] = _split_concat([getattr(stacked, n) for n in groups[f.name]])
+        else:
+            fields[f.name] = _split_layers(value)
+    layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
+                   for i in range(num_layers))
+    return dataclasses.replace(params, layers=layers, layout="fused" if fuse else "per_layer")
+
+
+def fuse_projections(params: Params) -> Params:
+    """Layout "per_layer" -> "fused": Q/K/V and gate/up each concatenated into one matrix
+    (see LayerParams). Idempotent ("fused" params come back as they are); ValueError on
+    "stacked". The unfused arrays stay alive while the caller holds them (from stacked
+    params, `unstack_layers(params, fuse=True)` skips that copy)."""
+    check_layout(params)
+    if params.layout == "fused":
+        return params
+    if params.layout != "per_layer":
+        raise ValueError(f"fuse_projections needs layout 'per_layer' (unstack_layers first), "
+                         f"got {params.layout!r}")
+    cat = jax.jit(lambda *xs: jnp.concatenate(xs, axis=-1))
+    layers = []
+    for lp in params.layers:
+        fused = {name: None if getattr(lp, name) is None
+                 else cat(*(getattr(lp, n) for n in names)) for name, names in _FUSED.items()}
+        away = {n: None for names in _FUSED.values() for n in names[1:]}
+        layers.append(dataclasses.replace(lp, **away, **fused))
+    return dataclasses.replace(params, layers=tuple(layers), layout="fused")
+
+
+def _split_concat(stacks: list[jax.Array]) -> list[jax.Array]:
+    """Per-layer concatenations of same-depth stacks along the output axis."""
+    split = jax.jit(lambda *xs: tuple(jnp.concatenate([x[i] for x in xs], axis=-1)
+                                      for i in range(xs[0].shape[0])))
+    return list(split(*stacks))
+
+
+def _split_layers(x: jax.Array) -> list[jax.Array]:
+    """The per-layer slices of a stack [L, ...], each keeping x's sharding minus the L axis."""
+    sharding = x.sharding
+    out = None
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        out = NamedSharding(sharding.mesh, P(*spec[1:]))
+    split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])),
+                    out_shardings=None if out is None else (out,) * x.shape[0])
+    return list(split(x))

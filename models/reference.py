@@ -1,0 +1,121 @@
+"""The dense reference: the model run without paged KV, the ground truth of the tests.
+
+`dense_forward` attends over the whole sequence at once; `dense_generate` decodes greedily
+through a contiguous per-sequence KV cache (`DenseKVCache`). Both run `models.llama.forward`
+on any Params layout, so they check the engine's paged attention, packing and sampling, not
+the decoder's arithmetic (tested against transformers in the loader tests).
+Shape letters as in models.llama; U kv positions, M cache slots per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.llama import Params, compute_logits, forward
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                     kv_pos: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
+    """Plain attention: q [S,T,H,D], k/v [S,U,K,D]; row t sees keys with kv_pos <= q_pos[t].
+
+    q_pos [T], kv_pos [U], kv_valid optional [U] bool; returns [S,T,H,D] in q.dtype.
+    """
+    s, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(s, t, kh, h // kh, d)
+    scores = jnp.einsum("stkgd,sukd->skgtu", qg, k, preferred_element_type=jnp.float32)
+    mask = kv_pos[None, :] <= q_pos[:, None]  # [T, U]
+    if kv_valid is not None:
+        mask = mask & kv_valid[None, :]
+    scores = jnp.where(mask, scores / math.sqrt(d), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("skgtu,sukd->stkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(s, t, h, d).astype(q.dtype)
+
+
+def dense_forward(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Reference forward without a cache: token_ids [S, T] -> float32 logits [S, T, V]."""
+    pos = jnp.arange(token_ids.shape[1], dtype=jnp.int32)
+
+    def attn(q, k, v, cache, layer):
+        return causal_attention(q, k, v, pos, pos), cache
+
+    positions = jnp.broadcast_to(pos, token_ids.shape)
+    hidden, _ = forward(params, cfg, token_ids, positions, None, attn)
+    return compute_logits(params, cfg, hidden)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseKVCache:
+    """Contiguous per-sequence KV cache; every sequence holds `length` tokens."""
+
+    k: jax.Array  # [L, S, M, K, D]
+    v: jax.Array  # [L, S, M, K, D]
+    length: jax.Array  # int32 scalar: tokens already cached
+
+
+def init_dense_cache(cfg: ModelConfig, num_seqs: int, max_len: int, dtype: Any) -> DenseKVCache:
+    """An empty cache: k and v zeros [L, S, M=max_len, K, D], length 0."""
+    shape = (cfg.num_layers, num_seqs, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return DenseKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.int32(0))
+
+
+def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCache,
+                     layer: jax.Array) -> tuple[jax.Array, DenseKVCache]:
+    """attn_fn over a DenseKVCache: writes k/v [S,T,K,D] at cache.length, attends causally.
+
+    The caller advances `cache.length` by T after the forward (all layers write the same slots).
+    """
+    start = cache.length
+    idx = (layer, 0, start, 0, 0)
+    kc = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), idx)
+    vc = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), idx)
+    max_len = kc.shape[2]
+    kv_pos = jnp.arange(max_len, dtype=jnp.int32)
+    q_pos = start + jnp.arange(q.shape[1], dtype=jnp.int32)
+    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos)
+    return out, DenseKVCache(kc, vc, cache.length)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _dense_step(params: Params, cfg: ModelConfig, token_ids: jax.Array,
+                cache: DenseKVCache) -> tuple[jax.Array, DenseKVCache]:
+    """token_ids [S, T] appended after cache.length -> (greedy next ids [S], cache)."""
+    t = token_ids.shape[1]
+    positions = cache.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), token_ids.shape)
+    hidden, cache = forward(params, cfg, token_ids, positions, cache, dense_cache_attn)
+    logits = compute_logits(params, cfg, hidden[:, -1])
+    cache = DenseKVCache(cache.k, cache.v, cache.length + t)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+def dense_generate(params: Params, cfg: ModelConfig, prompt_ids: list[int],
+                   max_new_tokens: int, eos_token_ids: tuple[int, ...] | None = None,
+                   ) -> list[int]:
+    """Greedy generation with a contiguous KV cache (the model reference).
+
+    Stops after an id in `eos_token_ids` (default cfg.eos_token_ids; pass () to never stop),
+    which is included in the output.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must be non-empty")
+    eos = set(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    max_len = -(-(len(prompt_ids) + max_new_tokens) // 64) * 64
+    cache = init_dense_cache(cfg, 1, max_len, params.embed.dtype)
+    tokens = jnp.asarray([prompt_ids], dtype=jnp.int32)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        next_ids, cache = _dense_step(params, cfg, tokens, cache)
+        out.append(int(next_ids[0]))
+        if out[-1] in eos:
+            break
+        tokens = next_ids[:, None]
+    return out
