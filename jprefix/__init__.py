@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from jprefix.core.sampling_params import SamplingParams
     from jprefix.engine.args import EngineArgs
     from jprefix.engine.llm_engine import LLMEngine
-    from jprefix.entrypoints.llm import LLM, generate
-    from models.loader import LoadedModel, load
+    from jprefix.entrypoints.llm import LLM, generate, load
+    from models.loader import LoadedModel
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -29,7 +29,7 @@ _EXPORTS = {
     "RequestOutput": "jprefix.core.outputs",
     "SamplingParams": "jprefix.core.sampling_params",
     "LoadedModel": "models.loader",
-    "load": "models.loader",
+    "load": "jprefix.entrypoints.llm",
 }
 
 __all__ = [

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 
 from jprefix.core.sampling_params import SamplingParams
-from jprefix.core.scheduler import ScheduledSeq
+from jprefix.core.scheduler import ScheduledSeq, is_decode_step
 from jprefix.core.sequence import Sequence
+from jprefix.worker.flat_batch import flatten_batch
 from jprefix.worker.model_runner import ModelRunner
-from jprefix.worker.pack import flatten_batch, pack_step
+from jprefix.worker.pack import pack_step
 from jprefix.worker.step import step
 
 
@@ -17,7 +18,7 @@ def compile_step(runner: ModelRunner, scheduled) -> jax.stages.Compiled:
     """The compiled step the runner would run for `scheduled` (plain attention)."""
     batch = pack_step(scheduled, runner.block_size, runner.buckets)
     flat, layout = flatten_batch(batch)
-    decode = all(sc.num_new_tokens == 1 for sc in scheduled)
+    decode = is_decode_step([sc.num_new_tokens for sc in scheduled])
     return step.lower(runner.params, runner.kv_cache, flat,
                       jnp.zeros(runner.max_rows, jnp.int32), layout=layout, cfg=runner.cfg,
                       backend=runner.backend, decode=decode, greedy=True,

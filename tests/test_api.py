@@ -9,7 +9,7 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from models.llama import dense_generate
+from models.reference import dense_generate
 
 BS = 8
 

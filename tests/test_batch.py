@@ -6,7 +6,8 @@ import pytest
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.scheduler import ScheduledSeq
 from jprefix.core.sequence import Sequence
-from jprefix.worker.pack import BucketConfig, bucket, flatten_batch, pack_step
+from jprefix.worker.flat_batch import flatten_batch
+from jprefix.worker.pack import BucketConfig, bucket, pack_step
 
 B = 4
 
@@ -65,9 +66,9 @@ def test_pack_places_every_token_at_its_slot():
 
 def test_pending_token_reads_the_previous_steps_output_row():
     sc = _sched(range(300, 306), [4, 6], 6, 1)  # position 6 is not on the host yet
-    sc.seq.num_pending, sc.seq.pending_row = 1, 5
+    sc.seq.num_pending = 1
     other = _sched(range(10, 13), [3], 0, 3)
-    b = pack_step([other, sc], B, BucketConfig())
+    b = pack_step([other, sc], B, BucketConfig(), pending_rows={sc.seq: 5})
     assert b["token_src"].tolist()[:4] == [-1, -1, -1, 5]
     assert (b["token_src"][4:] == -1).all()
     assert b["positions"][3] == 6 and b["kv_lens"][1] == 7
@@ -75,7 +76,7 @@ def test_pending_token_reads_the_previous_steps_output_row():
 
 
 def test_flatten_batch_round_trips_through_one_buffer():
-    from jprefix.worker.step import unflatten_batch
+    from jprefix.worker.flat_batch import unflatten_batch
 
     scheduled = [_sched(range(100, 110), [5, 9, 2], 0, 10), _sched(range(7), [4], 6, 1)]
     batch = pack_step(scheduled, B, BucketConfig())
@@ -129,8 +130,8 @@ def _random_seqs(rng, n, prompt_len, num_blocks):
 def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
     """Steps that grow, replace, drop and reorder rows: packing with the cache carried
     between steps equals packing from scratch, array for array (cascade tables too)."""
-    from jprefix.core.cascade import CascadePlan, pack_cascade
-    from jprefix.worker.pack import PackCache
+    from jprefix.core.cascade import CascadePlan
+    from jprefix.worker.pack import PackCache, pack_cascade
 
     rng = np.random.default_rng(5)
     seqs = _random_seqs(rng, 12, prompt_len=20, num_blocks=6)
@@ -168,18 +169,18 @@ def test_steady_decode_repacking_equals_packing_afresh():
     step's buffers; between them rows are replaced, dropped, reordered and prefilled. The
     runner's packing with its cache equals packing from scratch, buffer for buffer."""
     from jprefix.core.cascade import CascadePlan
-    from jprefix.worker.model_runner import pack_rows
-    from jprefix.worker.pack import PackCache
+    from jprefix.worker.input_batch import StepPacker
 
     rng = np.random.default_rng(11)
     seqs = _random_seqs(rng, 10, prompt_len=14, num_blocks=4)
-    cache, plan, repacked, last_decode = PackCache(), None, 0, None
+    packer, plan, repacked, last_decode = StepPacker(B, BucketConfig()), None, 0, None
     for step in range(160):
         mode = rng.integers(0, 3)  # newest tokens known, pending on the device, or a mix
         pending = {s.request_id for s in seqs if mode == 1 or mode == 2 and rng.random() < .5}
+        output_rows = {}  # where each sequence's newest token sits in the last step's output
         for row, seq in enumerate(seqs):
             seq.append_token(int(rng.integers(3, 99)))
-            seq.pending_row = row + 1
+            output_rows[seq] = row + 1
             if len(seq.block_table) * B <= seq.num_tokens:
                 seq.block_table.append(int(rng.integers(1, 500)))  # grows in place
         change = rng.integers(0, 13)
@@ -202,15 +203,17 @@ def test_steady_decode_repacking_equals_packing_afresh():
         else:
             rows = [ScheduledSeq(s, s.num_tokens - (s.request_id not in pending), 1, True)
                     for s in seqs]
-        fresh = pack_rows(rows, plan, B, BucketConfig())[1]
-        cached = pack_rows(rows, plan, B, BucketConfig(), cache)[1]
+        fresh_packer = StepPacker(B, BucketConfig(), reuse=False)
+        fresh_packer.pending_rows, packer.pending_rows = output_rows, dict(output_rows)
+        fresh = fresh_packer.pack(rows, plan).packed
+        cached = packer.pack(rows, plan).packed
         assert cached.layout == fresh.layout, f"step {step}"
         for k in fresh.arrays:
             np.testing.assert_array_equal(cached.arrays[k], fresh.arrays[k],
                                           err_msg=f"step {step}: {k}")
         np.testing.assert_array_equal(cached.flat, fresh.flat)
-        repacked += cache.decode is not None and cache.decode is last_decode
-        last_decode = cache.decode
+        repacked += packer.decode is not None and packer.decode is last_decode
+        last_decode = packer.decode
     assert repacked >= 50  # the steady path ran, and not only a few times
 
 
@@ -218,22 +221,21 @@ def test_repacking_follows_a_table_that_shrinks_below_its_width_bucket():
     """A row's table replaced by a shorter one (re-admitted after preemption) can shrink
     the tables' width bucket; the repacked step has the fresh width, cascade tables too."""
     from jprefix.core.cascade import CascadePlan
-    from jprefix.worker.model_runner import pack_rows
-    from jprefix.worker.pack import PackCache
+    from jprefix.worker.input_batch import StepPacker
 
     rng = np.random.default_rng(3)
     seqs = _random_seqs(rng, 2, prompt_len=10, num_blocks=3)
     seqs[0].block_table = rng.integers(1, 500, 9).tolist()  # width bucket 16
     for plan in (None, CascadePlan([0, 1], [2, 2], [2])):
-        cache = PackCache()
+        packer = StepPacker(B, BucketConfig())
         for step in range(3):
             if step == 2:
                 seqs[0].block_table = rng.integers(1, 500, 3).tolist()  # bucket 4
             for seq in seqs:
                 seq.append_token(int(rng.integers(3, 99)))
             rows = [ScheduledSeq(s, s.num_tokens - 1, 1, True) for s in seqs]
-            fresh = pack_rows(rows, plan, B, BucketConfig())[1]
-            cached = pack_rows(rows, plan, B, BucketConfig(), cache)[1]
+            fresh = StepPacker(B, BucketConfig(), reuse=False).pack(rows, plan).packed
+            cached = packer.pack(rows, plan).packed
             assert cached.layout == fresh.layout
             np.testing.assert_array_equal(cached.flat, fresh.flat)
         assert fresh.arrays["block_tables"].shape[1] == 4

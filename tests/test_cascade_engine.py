@@ -8,8 +8,9 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from jprefix.core.cascade import pack_cascade, plan_cascade, shared_blocks
-from models.llama import dense_generate
+from jprefix.core.cascade import plan_cascade, shared_blocks
+from jprefix.worker.pack import pack_cascade
+from models.reference import dense_generate
 
 BS = 8
 
@@ -106,8 +107,8 @@ def test_decode_steps_of_the_same_sequences_reuse_the_plan(tiny):
     plans = []
     while engine.has_unfinished_requests():
         engine.step()
-        plans.append(engine._last_plan)
+        plans.append(engine.cascade_planner.last)
     made = [p for p in plans if p is not None]
     assert made, "no cascade step"
     assert len({id(p[1]) for p in made}) < len(made)  # reused across steps
-    assert all(len(p[0]) == 6 for p in made) and engine._last_plan is None
+    assert all(len(p[0]) == 6 for p in made) and engine.cascade_planner.last is None

@@ -10,7 +10,7 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from models.llama import dense_generate
+from models.reference import dense_generate
 
 BS = 8  # block size: small so short prompts span several blocks
 # The Pallas kernels: compiled on a GPU, interpreted elsewhere

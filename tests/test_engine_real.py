@@ -5,7 +5,7 @@ import pytest
 import jprefix
 from jprefix import LLM, SamplingParams
 from jprefix.entrypoints.cli import main as cli_main
-from models.llama import dense_generate
+from models.reference import dense_generate
 
 SYSTEM = (
     "You are a support assistant for a bookshop. Answer briefly and politely. Orders ship "

@@ -131,9 +131,9 @@ def test_step_options_disable_rematerialization_and_keep_passes_already_disabled
     """The step's XLA options turn the rematerialization pass off (it recomputed matmuls
     of the H200's 7B steps), keep any pass that XLA_FLAGS already disables (the option
     replaces the flag's list), and leave XLA's default when asked to."""
-    from jprefix.worker.step import _no_remat_options
+    from jprefix.worker.xla_flags import step_compiler_options
 
-    assert _no_remat_options("") == {"xla_disable_hlo_passes": "rematerialization"}
+    assert step_compiler_options("") == {"xla_disable_hlo_passes": "rematerialization"}
     flags = "--xla_gpu_enable_command_buffer= --xla_disable_hlo_passes=foo,rematerialization,bar"
-    assert _no_remat_options(flags) == {"xla_disable_hlo_passes": "rematerialization,foo,bar"}
-    assert _no_remat_options(flags, keep_remat=True) == {}
+    assert step_compiler_options(flags) == {"xla_disable_hlo_passes": "rematerialization,foo,bar"}
+    assert step_compiler_options(flags, keep_remat=True) == {}

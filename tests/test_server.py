@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 import jprefix  # noqa: E402
 from jprefix import LLM, SamplingParams  # noqa: E402
 from jprefix.entrypoints.openai_server import build_app  # noqa: E402
-from models.llama import dense_generate  # noqa: E402
+from models.reference import dense_generate  # noqa: E402
 
 PROMPT = np.random.default_rng(0).integers(3, 200, 21).tolist()
 

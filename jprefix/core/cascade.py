@@ -16,9 +16,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import numpy as np
-
-from jprefix.worker.pack import RowsCache, bucket, ragged_rows
+from jprefix.core.scheduler import ScheduledSeq, is_decode_step
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ def plan_cascade(
 ) -> CascadePlan | None:
     """Groups a decode step's sequences by shared prefix; None when no group of at least
     `min_group` sequences shares at least `min_blocks` blocks (the plain kernel then)."""
-    if any(sc.num_new_tokens != 1 for sc in scheduled):
+    if not is_decode_step([sc.num_new_tokens for sc in scheduled]):
         return None
     by_last: dict[int, list[tuple[int, int]]] = {}
     for i, sc in enumerate(scheduled):
@@ -80,30 +78,35 @@ def plan_cascade(
                        [len(m) for m in groups])
 
 
-def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bucket: int,
-                 min_blocks_bucket: int, cache: RowsCache | None = None
-                 ) -> dict[str, np.ndarray]:
-    """The cascade arrays for `scheduled`, already in `plan.order`: the groups' prefix
-    block tables [G, Mp], lengths [G] and query-row ranges [G+1]; each sequence's suffix
-    block table [S, Ms] (its blocks after the shared prefix) and suffix length [S].
-    `cache` (kept between steps) lets the suffix tables reuse the last step's rows."""
-    G = bucket(len(plan.group_sizes), 1)
-    starts = np.cumsum([0] + plan.group_sizes)
-    Mp = bucket(max(plan.prefix_blocks), min_blocks_bucket)
-    prefix_tables = np.zeros((G, Mp), np.int32)
-    prefix_lens = np.zeros(G, np.int32)
-    prefix_cu = np.full(G + 1, starts[-1], np.int32)
-    prefix_cu[: len(starts)] = starts
-    for g, first in enumerate(starts[:-1]):
-        p = plan.prefix_blocks[first]
-        prefix_tables[g, :p] = scheduled[first].seq.block_table[:p]
-        prefix_lens[g] = p * block_size
-    rows = [(sc.seq.block_table_suffix(p), sc.start + 1 - p * block_size)
-            for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
-    suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket,
-                                cache)
-    suffix_lens = np.zeros(num_seqs_bucket, np.int32)
-    suffix_lens[: len(rows)] = [r[1] for r in rows]
-    return dict(prefix_block_tables=prefix_tables, prefix_kv_lens=prefix_lens,
-                prefix_cu_q_lens=prefix_cu, suffix_block_tables=suffix_tables,
-                suffix_kv_lens=suffix_lens)
+class CascadePlanner:
+    """Plans each step's cascade grouping (`plan_cascade`), reusing the last plan for a
+    decode step of the same sequences in the same order.
+
+    Reuse is sound: a sequence's block table is replaced only when it is preempted or
+    finishes, which takes it out of the running list; otherwise the table only grows, so
+    each member still holds its group's prefix blocks. Sharing changes only when sequences
+    join or leave, which changes the list, so a reused plan is as good as a new one.
+    """
+
+    def __init__(self, block_size: int, ref_count: Callable[[int], int], min_group: int = 8,
+                 min_blocks: int = 4):
+        self.block_size, self.ref_count = block_size, ref_count
+        self.min_group, self.min_blocks = min_group, min_blocks
+        # (the planned step's sequences in scheduled order, its plan) or None
+        self.last: tuple[tuple, CascadePlan] | None = None
+
+    def plan(self, scheduled: Seq[ScheduledSeq]) -> CascadePlan | None:
+        """The step's plan; None when no group pays off (or the step does not decode)."""
+        seqs, _, num_new, _ = zip(*scheduled, strict=True)  # (C-level columns)
+        last = self.last
+        if (last is not None and last[0] == seqs  # (Sequence has identity equality)
+                and is_decode_step(num_new)):
+            return last[1]
+        plan = plan_cascade(scheduled, self.block_size, self.ref_count, self.min_group,
+                            self.min_blocks)
+        self.last = None if plan is None else (seqs, plan)
+        return plan
+
+    def forget(self) -> None:
+        """Drops the last plan, so that it holds no finished sequence."""
+        self.last = None

@@ -1,4 +1,4 @@
-"""Host-side configuration: the scheduler's and the KV cache's knobs (pure Python)."""
+"""The scheduler's configuration (pure Python)."""
 
 from __future__ import annotations
 
@@ -31,24 +31,3 @@ class SchedulerConfig:
     def __post_init__(self):
         _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV cache: `num_blocks` physical blocks of `block_size` tokens (block 0 is the
-    reserved null block); None sizes it from `gpu_memory_utilization` of device memory."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-
-    def __post_init__(self):
-        _check_positive(self, "block_size")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(
-                f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"
-            )

@@ -42,6 +42,13 @@ class ScheduledSeq(NamedTuple):
     sample: bool
 
 
+def is_decode_step(num_new_tokens: Seq[int]) -> bool:
+    """Whether a step whose rows compute these token counts is a decode step: every row
+    computes exactly one token (the decode-tiled kernels, cascade and repacking apply).
+    The one definition of a decode step; the others derive from it."""
+    return num_new_tokens.count(1) == len(num_new_tokens)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -92,10 +99,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.running) + len(self.waiting)
 
     # -- schedule --------------------------------------------------------------------
 

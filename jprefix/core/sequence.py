@@ -67,10 +67,9 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks of block_table that are trie nodes
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
-        # Async scheduling: tokens sampled by steps in flight, not yet appended, and the
-        # row of the last such step's device output that holds the newest of them.
+        # Async scheduling: tokens sampled by steps in flight, not yet appended (the
+        # runner's packer knows which device output row holds the newest of them)
         self.num_pending = 0
-        self.pending_row = -1
         sp = sampling_params
         # `all_token_ids` never grows past this length (prompt + max_tokens) ...
         self.token_limit = (len(self.prompt_token_ids) + sp.max_tokens if sp is not None

@@ -7,8 +7,11 @@ import dataclasses
 
 @dataclasses.dataclass
 class EngineArgs:
-    """Engine knobs, named as vLLM names them."""
+    """Engine knobs, named as vLLM names them. `dtype` and `load_format` apply when the
+    engine loads its model by name (`models.loader.load`)."""
 
+    dtype: str = "bfloat16"
+    load_format: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
@@ -19,7 +22,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     # "pallas" | "xla" | "pallas-interpret": the attention kernels, and on few-row steps
-    # the fused matmuls (jprefix.worker.step._linear); None: Pallas on GPU, XLA elsewhere
+    # the few-row matmuls (jprefix.worker.step); None: Pallas on GPU, XLA elsewhere
     attention_backend: str | None = None
     unroll_layers: bool | None = None  # None: unrolled on GPU, lax.scan elsewhere
     enable_cascade: bool = True  # decode attends each shared prefix once per group
@@ -31,8 +34,8 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over
     cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
-    # step inputs in device buffers refilled in place (runner.FixedInputs); None: where
-    # XLA records command buffers
+    # step inputs in device buffers refilled in place (model_runner.FixedInputs); None:
+    # where XLA records command buffers (jprefix.worker.xla_flags)
     fixed_inputs: bool | None = None
 
     def __post_init__(self):

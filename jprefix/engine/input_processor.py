@@ -1,11 +1,20 @@
-"""Request validation: every bad input raises ValueError naming it, before scheduling."""
+"""Input processing: a request's prompt and parameters become a validated Sequence.
+
+Every bad input raises ValueError naming it, before anything is scheduled. The chat
+template is rendered here and nowhere else (`render_chat`: the CLI and the server).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import numpy as np
+
+from jprefix.core.sampling_params import SamplingParams
+from jprefix.core.sequence import Sequence
 
 
 def check_token_ids(token_ids: Any, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -13,8 +22,8 @@ def check_token_ids(token_ids: Any, vocab_size: int, what: str = "prompt") -> li
     ids = list(token_ids)
     if not ids:
         raise ValueError(f"{what} is empty: at least one token is needed")
-    # fast path, plain ints in range (a 700-token prompt: ~50 us instead of ~330 us on the
-    # dev CPU; this is on the time to first token); anything else is checked one by one
+    # fast path, plain ints in range (on the time to first token, so whole-list checks);
+    # anything else is checked one by one
     if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
         return ids
     for i, t in enumerate(ids):
@@ -67,3 +76,63 @@ def as_prompt_list(prompts: Any) -> list[Any]:
 
 def is_token_list(prompt: Any) -> bool:
     return isinstance(prompt, Seq) and not isinstance(prompt, str)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of `messages` ({"role", "content"} dicts) under the tokenizer's chat
+    template, ending with the assistant's turn opened if `add_generation_prompt`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: send a plain prompt instead")
+    if not messages:
+        raise ValueError("messages is empty")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class InputProcessor:
+    """Turns requests into Sequences for one model: tokenizes, validates against the
+    vocabulary and the context length, and assigns request ids and sampling seeds."""
+
+    def __init__(self, tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int,
+                 seed: int = 0):
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """A prompt's token ids: a string through the tokenizer, or checked token ids."""
+        if is_token_list(prompt):
+            return check_token_ids(prompt, self.vocab_size)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt {prompt!r} must be a string or a list of token ids")
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids")
+        return self.tokenizer(prompt, add_special_tokens=True).input_ids
+
+    def make_sequence(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        prefix_len: int | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        """Validates one request and builds its Sequence (nothing is scheduled yet). The
+        sequence keeps its own copy of the sampling parameters: changing the caller's
+        object afterwards does not reach a request already made."""
+        # (replace re-runs __post_init__: copies the stop lists and validates)
+        sp = dataclasses.replace(sampling_params) if sampling_params else SamplingParams()
+        ids = self.tokenize(prompt)
+        check_context(len(ids), sp.max_tokens, self.max_model_len)
+        prefix_len = check_prefix_len(prefix_len, len(ids))
+        if request_id is None:
+            request_id = f"jprefix-{next(self._ids)}"  # itertools.count: thread-safe
+        # the device's sampling stream takes a 32-bit seed: larger seeds are folded
+        seed = sp.seed % 2**32 if sp.seed is not None else int(self._rng.integers(2**31))
+        return Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt,
+                        seed=seed, prompt=prompt if isinstance(prompt, str) else None)

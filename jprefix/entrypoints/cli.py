@@ -72,14 +72,15 @@ def _read_inputs(args) -> tuple[str, list[str]]:
 
 
 def _render(tokenizer, system: str, user: str | None) -> list[int]:
+    """The chat-templated prompt (the system prompt alone when `user` is None); the plain
+    text where the tokenizer has no chat template."""
+    from jprefix.engine.input_processor import render_chat
+
     messages = [{"role": "system", "content": system}]
     if user is not None:
         messages.append({"role": "user", "content": user})
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=user is not None
-        )
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return render_chat(tokenizer, messages, add_generation_prompt=user is not None)
     return tokenizer(system + ("\n\n" + user if user else ""), add_special_tokens=True).input_ids
 
 

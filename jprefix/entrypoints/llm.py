@@ -14,11 +14,22 @@ from jprefix.engine.args import EngineArgs
 from jprefix.engine.input_processor import as_prompt_list, broadcast
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.entrypoints.async_driver import AsyncDriver
-from jprefix.worker.model_runner import prepare_params
-from jprefix.worker.parallel import make_mesh
-from models.loader import LoadedModel, load, model_config
+from jprefix.worker import xla_flags
+from models import loader
+from models.loader import LoadedModel
 
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+# what LLM takes as keyword arguments besides its own (model, tensor_parallel_size, ...)
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)} - {
+    "tensor_parallel_size", "dtype", "load_format"}
+
+
+def load(model: str = loader.DEFAULT_MODEL, dtype: str = "bfloat16", load_format: str = "auto",
+         **kwargs: Any) -> LoadedModel:
+    """`models.loader.load` (a preset name, an HF directory, a .gguf file or a hub id),
+    after setting the XLA flags the engine runs with (`jprefix.worker.xla_flags`: they
+    must be set before jax initialises its backend, which loading does)."""
+    xla_flags.apply()
+    return loader.load(model, dtype, load_format, **kwargs)
 
 
 class LLM:
@@ -37,20 +48,13 @@ class LLM:
         load_format: str = "auto",
         **engine_kwargs: Any,
     ):
+        """`model`: a name `jprefix.load` takes (loaded here, in the engine's layout) or a
+        LoadedModel; `engine_kwargs`: EngineArgs' fields."""
         unknown = set(engine_kwargs) - _ENGINE_FIELDS
         if unknown:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}")
-        args = EngineArgs(tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
-        owned = not isinstance(model, LoadedModel)
-        if owned:  # loaded here, so nobody else holds the weights
-            mesh = None
-            if tensor_parallel_size != 1:  # check tp against the config, then load sharded
-                mesh = make_mesh(model_config(model, load_format), tensor_parallel_size)
-            model = load(model, dtype, load_format, mesh=mesh)
-            # The step's layout replaces the loaded one before the engine sizes its KV
-            # cache from free memory: one copy of the weights, not two.
-            model = dataclasses.replace(model, params=prepare_params(
-                model.params, model.config, mesh, args.unroll_layers))
+        args = EngineArgs(tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                          load_format=load_format, **engine_kwargs)
         self.engine = LLMEngine(model, args)
         self._driver = AsyncDriver(self.engine)
 

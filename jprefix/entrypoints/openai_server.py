@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.engine.detokenizer import IncrementalDetokenizer
+from jprefix.engine.input_processor import render_chat
 from jprefix.entrypoints.llm import LLM
 
 
@@ -44,11 +45,10 @@ class _Sampling(BaseModel):
     def sampling_params(self) -> SamplingParams:
         if self.n != 1:
             raise ValueError(f"n {self.n} is not supported: only n = 1")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        return SamplingParams(  # (normalises the stop lists: a string, a list or None)
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=16 if self.max_tokens is None else self.max_tokens, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), seed=self.seed,
+            max_tokens=16 if self.max_tokens is None else self.max_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, seed=self.seed,
             ignore_eos=self.ignore_eos,
         )
 
@@ -147,14 +147,7 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
 
 
 def _chat_prompt(llm: LLM, messages: list[ChatMessage]) -> list[int]:
-    tok = llm.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ValueError("this model has no chat template: use /v1/completions")
-    if not messages:
-        raise ValueError("messages is empty")
-    text = tok.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
-                                   add_generation_prompt=True)
-    return tok(text, add_special_tokens=False).input_ids
+    return render_chat(llm.tokenizer, [m.model_dump() for m in messages])
 
 
 async def _serve(llm: LLM, name: str, req: _Sampling, prompt: Any, chat: bool):

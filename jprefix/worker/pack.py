@@ -1,4 +1,5 @@
-"""Packs one scheduled step into padded NumPy arrays (host side, no jax).
+"""Packs one scheduled step into padded NumPy arrays (no jax): the step's arrays and a
+cascade plan's arrays. `jprefix.worker.input_batch.StepPacker` is the one caller.
 
 Shapes are rounded up to power-of-two buckets so the jitted step compiles once per
 (T, S, M) bucket: T tokens, S sequences, M block-table width. Padding tokens write to
@@ -7,16 +8,14 @@ the reserved null block 0 and padding sequences have q_len = kv_len = 0.
 
 from __future__ import annotations
 
-import functools
-import math
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jprefix.worker.repack import DecodeStep
+from jprefix.core.cascade import CascadePlan
 
 
 def bucket(n: int, minimum: int, step: int | None = None) -> int:
@@ -42,13 +41,15 @@ class BucketConfig:
 
 
 def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
-              cache: PackCache | None = None) -> dict[str, np.ndarray]:
+              cache: PackCache | None = None, pending_rows: Mapping[Any, int] | None = None
+              ) -> dict[str, np.ndarray]:
     """Builds the step's input arrays from a list of ScheduledSeq.
 
     Returns token_ids/positions/slot_mapping/token_src [T], block_tables [S, M],
     kv_lens [S], cu_q_lens [S+1], logits_idx [S] and the sampling arrays [S]. A token
     still pending on the host (sampled by the step before, async scheduling) has
-    `token_src` = its row in that step's device output (-1 for every known token).
+    `token_src` = its sequence's row in that step's device output, `pending_rows[seq]`
+    (-1 for every known token).
     `cache` (kept by the caller between steps) lets a step like the last one (the same
     sequences in the same order, as in steady decoding) reuse its tables and constants.
     """
@@ -70,7 +71,9 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
         if len(known) < q:  # only the newest token can be pending
             if len(known) != q - 1:
                 raise RuntimeError(f"{seq!r}: more than one pending token scheduled")
-            pending.append((len(ids), seq.pending_row))
+            if pending_rows is None or seq not in pending_rows:
+                raise RuntimeError(f"{seq!r}: no output row holds its pending token")
+            pending.append((len(ids), pending_rows[seq]))
             ids.append(0)
     q_lens = np.array(q_list, np.int32).reshape(n)
     starts = np.array(start_list, np.int32).reshape(n)
@@ -185,87 +188,40 @@ def scatter_runs(out: np.ndarray, rows: np.ndarray, cols: Any, lens: np.ndarray,
 
 
 class PackCache:
-    """What consecutive steps' packing can reuse (a runner keeps one): the block-table
-    matrices (`RowsCache`, the step's and the cascade's suffix tables), the per-row
-    sampling constants of the last step's sequence list, and the last step's packed
-    buffers when it decoded one token per row (`repack_decode` advances them)."""
+    """What consecutive steps' packing can reuse (the packer keeps one): the block-table
+    matrices (`RowsCache`, the step's and the cascade's suffix tables) and the per-row
+    sampling constants of the last step's sequence list."""
 
     def __init__(self):
         self.tables, self.suffix_tables = RowsCache(), RowsCache()
         self.seqs: list = []
         self.constants: np.ndarray | None = None
-        self.decode: DecodeStep | None = None
 
 
-Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) per array
-# dtype.name costs ~2.4 us per call on the dev CPU (numpy builds the string), 13 times per
-# packed step; a dict lookup 0.06 us
-_DTYPE_NAMES = {np.dtype(t): np.dtype(t).name for t in (np.int32, np.uint32, np.float32)}
-
-
-def flatten_batch(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
-    """Packs the step's arrays into one int32 buffer (one host-to-device transfer, not one
-    per array: each costs ~50 us of host time on the H200 machine), float32 arrays as
-    their bit patterns after the integer ones; `layout` (static, hashable) splits it
-    again (`layout_spans`)."""
-    layout = tuple((k, v.shape, _DTYPE_NAMES.get(v.dtype) or _four_byte_name(k, v))
-                   for k, v in batch.items())
-    ints = [v.view(np.int32).ravel() for v in batch.values() if v.dtype != np.float32]
-    floats = [v.view(np.int32).ravel() for v in batch.values() if v.dtype == np.float32]
-    return np.concatenate(ints + floats), layout
-
-
-def _four_byte_name(name: str, value: np.ndarray) -> str:
-    """The dtype name of an array the int32 buffer can carry (its offsets count 4-byte
-    elements)."""
-    if value.dtype.itemsize != 4:
-        raise TypeError(f"step array {name!r} is {value.dtype}: the flat buffer takes "
-                        f"4-byte dtypes only")
-    return value.dtype.name
-
-
-class PackedStep(NamedTuple):
-    """A packed step: the flat buffer the device receives, its layout, and the step's
-    arrays by name (views into the buffer, or the arrays it was built from)."""
-
-    flat: np.ndarray
-    layout: Layout
-    arrays: dict[str, np.ndarray]
-
-
-def pack_flat(batch: dict[str, np.ndarray]) -> PackedStep:
-    return PackedStep(*flatten_batch(batch), batch)
-
-
-@functools.lru_cache(maxsize=256)  # (a steady decode step asks for the same layout)
-def layout_spans(layout: Layout) -> tuple[tuple[str, tuple[int, ...], str, int, int], ...]:
-    """Where `flatten_batch` put each array: (name, shape, dtype, start, size), in layout
-    order; the float32 arrays start after all the others."""
-    sizes = [(name, shape, dtype, math.prod(shape)) for name, shape, dtype in layout]
-    offsets = {False: 0,
-               True: sum(size for _, _, dtype, size in sizes if dtype != "float32")}
-    spans = []
-    for name, shape, dtype, size in sizes:
-        is_float = dtype == "float32"
-        spans.append((name, shape, dtype, offsets[is_float], size))
-        offsets[is_float] += size
-    return tuple(spans)
-
-
-def flat_views(flat: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
-    """The arrays of a `flatten_batch` result as views into its buffer."""
-    views = {}
-    for name, shape, dtype, start, stop in _view_spans(layout):
-        view = flat[start:stop] if dtype is None else flat[start:stop].view(dtype)
-        views[name] = view if shape is None else view.reshape(shape)
-    return views
-
-
-@functools.lru_cache(maxsize=256)
-def _view_spans(layout: Layout) -> tuple[tuple[str, Any, Any, int, int], ...]:
-    """`layout_spans` for `flat_views`: (name, shape or None for 1-D, np.dtype or None
-    for int32, start, stop). A view by dtype name costs ~1 us (numpy parses the name),
-    a reshape ~0.3 us, and a steady decode step takes ~18 views."""
-    return tuple((name, shape if len(shape) != 1 else None,
-                  None if dtype == "int32" else np.dtype(dtype), start, start + size)
-                 for name, shape, dtype, start, size in layout_spans(layout))
+def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bucket: int,
+                 min_blocks_bucket: int, cache: RowsCache | None = None
+                 ) -> dict[str, np.ndarray]:
+    """The cascade arrays for `scheduled`, already in `plan.order`: the groups' prefix
+    block tables [G, Mp], lengths [G] and query-row ranges [G+1]; each sequence's suffix
+    block table [S, Ms] (its blocks after the shared prefix) and suffix length [S].
+    `cache` (kept between steps) lets the suffix tables reuse the last step's rows."""
+    G = bucket(len(plan.group_sizes), 1)
+    starts = np.cumsum([0] + plan.group_sizes)
+    Mp = bucket(max(plan.prefix_blocks), min_blocks_bucket)
+    prefix_tables = np.zeros((G, Mp), np.int32)
+    prefix_lens = np.zeros(G, np.int32)
+    prefix_cu = np.full(G + 1, starts[-1], np.int32)
+    prefix_cu[: len(starts)] = starts
+    for g, first in enumerate(starts[:-1]):
+        p = plan.prefix_blocks[first]
+        prefix_tables[g, :p] = scheduled[first].seq.block_table[:p]
+        prefix_lens[g] = p * block_size
+    rows = [(sc.seq.block_table_suffix(p), sc.start + 1 - p * block_size)
+            for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
+    suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket,
+                                cache)
+    suffix_lens = np.zeros(num_seqs_bucket, np.int32)
+    suffix_lens[: len(rows)] = [r[1] for r in rows]
+    return dict(prefix_block_tables=prefix_tables, prefix_kv_lens=prefix_lens,
+                prefix_cu_q_lens=prefix_cu, suffix_block_tables=suffix_tables,
+                suffix_kv_lens=suffix_lens)

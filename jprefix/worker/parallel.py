@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from models.llama import param_partition_specs
+from models.layout import param_partition_specs
 
 AXIS = "tp"
 HEADS = PartitionSpec(None, AXIS)  # [T, H, D] activations and [L, K, N, B, D] caches

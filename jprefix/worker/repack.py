@@ -7,6 +7,7 @@ rewritten, by their new entries).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from operator import attrgetter, is_not
@@ -14,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from jprefix.worker.pack import PackCache, PackedStep, RowsCache, bucket, flat_views, scatter_runs
+from jprefix.core.scheduler import is_decode_step
+from jprefix.worker.flat_batch import PackedStep, flat_views
+from jprefix.worker.pack import PackCache, RowsCache, bucket, scatter_runs
 
 
 @dataclass
@@ -31,16 +34,16 @@ class DecodeStep:
     packed: PackedStep
 
 
-def remember_decode(cache: PackCache, scheduled: Seq, plan: Any, packed: PackedStep) -> None:
-    """Keeps a freshly packed step for `repack_decode` when each row decoded one token."""
+def remember_decode(cache: PackCache, scheduled: Seq, plan: Any, packed: PackedStep
+                    ) -> DecodeStep | None:
+    """A freshly packed step, kept for `repack_decode` if it is a decode step."""
     n = len(scheduled)
-    if n and int(packed.arrays["cu_q_lens"][n]) == n:
-        seqs = tuple(sc.seq for sc in scheduled)
-        lens = np.fromiter(map(len, cache.tables.rows), np.int64, n)
-        cache.decode = DecodeStep(seqs, plan, [s.all_token_ids for s in seqs],
-                                  [s.block_table for s in seqs], lens, packed)
-    else:
-        cache.decode = None
+    if not n or not is_decode_step([sc.num_new_tokens for sc in scheduled]):
+        return None
+    seqs = tuple(sc.seq for sc in scheduled)
+    lens = np.fromiter(map(len, cache.tables.rows), np.int64, n)
+    return DecodeStep(seqs, plan, [s.all_token_ids for s in seqs],
+                      [s.block_table for s in seqs], lens, packed)
 
 
 def _changed_tables(seqs: tuple, last: DecodeStep) -> tuple[list[int], list, np.ndarray]:
@@ -58,22 +61,23 @@ def _changed_tables(seqs: tuple, last: DecodeStep) -> tuple[list[int], list, np.
 
 
 def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
-                  cache: PackCache) -> PackedStep | None:
+                  cache: PackCache, last: DecodeStep | None,
+                  pending_rows: Mapping[Any, int]) -> PackedStep | None:
     """The steady state of a decode batch, packed without a pass per row over the batch:
     when this step decodes one token of each of the same sequences, in the same order and
     under the same cascade plan (`plan.prefix_blocks`, or None), as the last packed step
-    (which did the same), its buffers are the last step's advanced to the new positions,
-    with only the block-table entries that changed rewritten. Equals `pack_step` (+
+    (`last`, which did the same), its buffers are the last step's advanced to the new
+    positions, with only the block-table entries that changed rewritten. Equals `pack_step` (+
     `pack_cascade`) array for array (`min_blocks` is the tables' bucket floor); None when
     the step is not such a step, a changed table moves a table's width bucket, or a
-    group's first member no longer holds the group's prefix (pack afresh then)."""
-    last = cache.decode
+    group's first member no longer holds the group's prefix (pack afresh then). A
+    pending token's source row is `pending_rows[seq]`; `last` is updated in place."""
     n = len(scheduled)
     if (last is None or last.plan is not plan or n != len(last.seqs)
             or n != len(cache.tables.rows)):
         return None
     seqs, start_list, q_list, _ = zip(*scheduled, strict=True)
-    if seqs != last.seqs or q_list.count(1) != n:  # (tuple == compares identities first)
+    if seqs != last.seqs or not is_decode_step(q_list):  # (tuple == compares identities)
         return None
     starts = np.array(start_list, np.int32)
     num_known = np.fromiter(map(len, last.token_lists), np.int64, n)
@@ -81,7 +85,7 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
         return None
     flat = last.packed.flat.copy()
     a = flat_views(flat, last.packed.layout)
-    if not _advance_tables(a, seqs, plan, min_blocks, cache):
+    if not _advance_tables(a, seqs, plan, min_blocks, cache, last):
         return None
     bt, pos = a["block_tables"], a["positions"]
     delta = starts - pos[:n]
@@ -98,8 +102,8 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
     known_rows = np.flatnonzero(known).tolist()
     if known_rows:  # (synchronous scheduling: the newest tokens are known)
         ids[known_rows] = [last.token_lists[i][start_list[i]] for i in known_rows]
-    if len(known_rows) < n:  # (a known row's pending_row is stale: masked)
-        rows = np.fromiter(map(attrgetter("pending_row"), seqs), np.int32, n)
+    if len(known_rows) < n:  # (a known row's pending row, if any, is stale: masked)
+        rows = np.fromiter(map(pending_rows.get, seqs, itertools.repeat(-1)), np.int32, n)
         src[:n] = np.where(known, -1, rows)
     else:
         src[:n] = -1
@@ -109,13 +113,12 @@ def repack_decode(scheduled: Seq, plan: Any, block_size: int, min_blocks: int,
 
 
 def _advance_tables(a: dict[str, np.ndarray], seqs: tuple, plan: Any, min_blocks: int,
-                    cache: PackCache) -> bool:
+                    cache: PackCache, last: DecodeStep) -> bool:
     """Brings the last step's block tables in `a` (and, under a cascade plan, its suffix
     tables) up to the rows' tables now, writing only their new entries; False (nothing
     written) when a width bucket moves or a group's first row lost the group's prefix.
     The rewritten rows' arrays in the `RowsCache`s become None (rewritten on the next
     fresh pack)."""
-    last = cache.decode
     changed, lists, lens = _changed_tables(seqs, last)
     if not changed:
         return True

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jprefix.worker.pack import Layout, layout_spans
+from jprefix.worker import xla_flags
+from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.parallel import per_shard
 from jprefix.worker.sampler import sample
 from models.config import ModelConfig
@@ -62,7 +62,7 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
     if backend == "xla":
         return paged_attention_reference(*args, scale=scale)
     interpret = backend == "pallas-interpret"
-    if "num_decode" in batch:  # a mixed step, its one-token rows first (`pack_rows`)
+    if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
                                      interpret=interpret)
     return paged_attention(*args, scale=scale, interpret=interpret,
@@ -116,41 +116,11 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     return qkv_attn_fn
 
 
-def unflatten_batch(flat: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-    """Inverse of `jprefix.worker.pack.flatten_batch`, inside the jitted step."""
-    out = {}
-    for name, shape, dtype, start, size in layout_spans(layout):
-        part = flat[start : start + size]
-        if dtype != "int32":
-            part = jax.lax.bitcast_convert_type(part, jnp.dtype(dtype))
-        out[name] = part.reshape(shape)
-    return out
-
-
-def _no_remat_options(xla_flags: str, keep_remat: bool = False) -> dict[str, str]:
-    """XLA options for the step: the rematerialization pass off (with any passes that
-    XLA_FLAGS already disables: the option replaces the flag's list). XLA:GPU judges the
-    step's memory against a limit that the donated KV cache, most of the device, already
-    fills, so it recomputed to save bytes that were never short: on the H200, layer 0's
-    Q/K/V matmul ran four times in every 7B step, with ~10 small fusions again. The
-    default KV cache (90% of the memory free after the weights) leaves the temporaries
-    gigabytes; an engine sized closer to the limit may need the pass back:
-    JPREFIX_XLA_REMAT=1 (`keep_remat`) keeps XLA's default."""
-    if keep_remat:
-        return {}
-    passes = ["rematerialization"]
-    for flag in xla_flags.split():
-        if flag.startswith("--xla_disable_hlo_passes="):
-            passes += [p for p in flag.split("=", 1)[1].split(",") if p]
-    return {"xla_disable_hlo_passes": ",".join(dict.fromkeys(passes))}
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh"),
     donate_argnames=("kv_cache",),
-    compiler_options=_no_remat_options(os.environ.get("XLA_FLAGS", ""),
-                                       os.environ.get("JPREFIX_XLA_REMAT") == "1"),
+    compiler_options=xla_flags.step_compiler_options(),
 )
 def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
@@ -163,7 +133,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
     scheduling: this step was dispatched before that one's ids reached the host).
     `decode` (every sequence has exactly one new token) picks the decode-tiled kernel;
     `greedy` (every temperature is 0) skips the sampling machinery. `cascade` (the batch
-    carries jprefix.core.cascade's arrays) attends each group's shared prefix once. With a
+    carries a cascade plan's arrays) attends each group's shared prefix once. With a
     tensor-parallel `mesh`, the KV write and attention run per device on its heads.
     """
     batch = unflatten_batch(flat, layout)

@@ -1,0 +1,113 @@
+"""StepPacker: the one place a scheduled step becomes the device's input arrays.
+
+The packer orders the step's rows for the device, packs them (`jprefix.worker.pack`, or
+`jprefix.worker.repack` for a steady decode batch), flattens the arrays into one buffer
+(`jprefix.worker.flat_batch`), and remembers what the next step needs: the reusable
+tables and constants, the last decode step's buffers, and where each sampled token sits
+in this step's device output (a sequence's newest token may still be on the device when
+the next step is packed: async scheduling). Imports run one way:
+input_batch -> repack -> pack -> flat_batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jprefix.core.cascade import CascadePlan
+from jprefix.core.scheduler import ScheduledSeq, is_decode_step
+from jprefix.worker.flat_batch import PackedStep, pack_flat
+from jprefix.worker.pack import BucketConfig, PackCache, pack_cascade, pack_step
+from jprefix.worker.repack import DecodeStep, remember_decode, repack_decode
+
+
+class StepKind(NamedTuple):
+    """What the jitted step compiles for: `decode` (every row computes one token: the
+    decode tiling), `cascade` (the batch carries a cascade plan's arrays), and
+    `num_decode` (> 0 in a mixed step: its one-token rows come first and run with the
+    decode tiling, `mixed_paged_attention`)."""
+
+    decode: bool
+    cascade: bool
+    num_decode: int
+
+
+class PackedRows(NamedTuple):
+    """A packed step: its rows in device order, the packed buffers, the device order as
+    indices into the scheduled list (None when unchanged), and the step's kind."""
+
+    rows: list[ScheduledSeq]
+    packed: PackedStep
+    order: list[int] | None
+    kind: StepKind
+
+
+class StepPacker:
+    """Packs the steps of one runner, in dispatch order.
+
+    `reuse=False` packs every step afresh (no state carried between steps besides the
+    pending rows); the packed buffers are the same either way."""
+
+    def __init__(self, block_size: int, buckets: BucketConfig, reuse: bool = True):
+        self.block_size, self.buckets = block_size, buckets
+        self.cache = PackCache() if reuse else None
+        self.decode: DecodeStep | None = None  # the last step, if a reusable decode step
+        # sequence -> its sampled token's row in the last packed step's device output
+        self.pending_rows: dict[Any, int] = {}
+
+    def pack(self, scheduled: Seq[ScheduledSeq], plan: CascadePlan | None = None
+             ) -> PackedRows:
+        """Packs one step. A cascade plan puts its groups first; a step that mixes
+        one-token rows with longer ones puts the one-token rows first. A pending token
+        reads the previous packed step's output row; afterwards each sampling row of
+        this step becomes the pending row of its sequence."""
+        order = plan.order if plan is not None else None
+        rows = list(scheduled) if order is None else list(map(scheduled.__getitem__, order))
+        packed = self._repack(rows, plan)
+        num_decode = 0
+        if packed is None:
+            if plan is None:
+                rows, order, num_decode = _decode_rows_first(rows)
+            packed = self._pack(rows, plan, num_decode)
+        self.pending_rows = {sc.seq: i for i, sc in enumerate(rows) if sc.sample}
+        decode = is_decode_step([sc.num_new_tokens for sc in rows])
+        return PackedRows(rows, packed, order, StepKind(decode, plan is not None, num_decode))
+
+    def _repack(self, rows: list[ScheduledSeq], plan: CascadePlan | None) -> PackedStep | None:
+        """A steady decode step's buffers advanced from the last step's, or None."""
+        if self.cache is None:
+            return None
+        packed = repack_decode(rows, plan, self.block_size, self.buckets.min_blocks,
+                               self.cache, self.decode, self.pending_rows)
+        if packed is None:
+            self.decode = None  # (kept again by `_pack` if this step decodes)
+        return packed
+
+    def _pack(self, rows: list[ScheduledSeq], plan: CascadePlan | None, num_decode: int
+              ) -> PackedStep:
+        cache = self.cache
+        batch = pack_step(rows, self.block_size, self.buckets, cache, self.pending_rows)
+        if plan is not None:
+            batch |= pack_cascade(rows, plan, self.block_size, len(batch["kv_lens"]),
+                                  self.buckets.min_blocks,
+                                  None if cache is None else cache.suffix_tables)
+        if num_decode:
+            batch["num_decode"] = np.array([num_decode], np.int32)
+        packed = pack_flat(batch)
+        if cache is not None:
+            self.decode = remember_decode(cache, rows, plan, packed)
+        return packed
+
+
+def _decode_rows_first(rows: list[ScheduledSeq]
+                       ) -> tuple[list[ScheduledSeq], list[int] | None, int]:
+    """A mixed step's rows with its one-token rows first, that order (None if unchanged)
+    and their count (0 unless the step mixes one-token rows with longer ones)."""
+    ones = [i for i, sc in enumerate(rows) if sc.num_new_tokens == 1]
+    if not ones or len(ones) == len(rows):
+        return rows, None, 0
+    taken = set(ones)
+    order = ones + [i for i in range(len(rows)) if i not in taken]
+    return [rows[i] for i in order], order, len(ones)
