@@ -14,7 +14,6 @@ from jprefix import LLM, SamplingParams
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.config import SchedulerConfig
 from jprefix.core.policies import (
-    FCFSPolicy,
     GreedyPolicy,
     LPMPolicy,
     common_blocks,
@@ -22,6 +21,7 @@ from jprefix.core.policies import (
     parse_policy,
 )
 from jprefix.core.prefix_cache import PrefixPool
+from jprefix.core.request_queue import FCFSPolicy
 from jprefix.core.scheduler import Scheduler
 from jprefix.core.sequence import Sequence, SequenceStatus
 
