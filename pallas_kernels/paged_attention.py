@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_cache import check_caches
-from pallas_kernels.ragged_paged_attention_kernel import KernelConfig, run_kernel, tile_metadata
+from pallas_kernels.paged_attention_kernel import KernelConfig, run_kernel, tile_metadata
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _INT32 = jnp.dtype(jnp.int32)

@@ -7,7 +7,7 @@ token step's shape, S = 4, 16,384 rows). Tried here: the shipped reduction over 
 axis, the splits unrolled into elementwise ops, and one einsum over precomputed weights.
 Each prints its largest difference from the shipped one (bfloat16 outputs).
 
-    PYTHONPATH=$PWD python3 scripts/probe_combine.py
+    PYTHONPATH=$PWD python3 scripts/probes/probe_combine.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention_kernel import combine_splits
+from pallas_kernels.paged_attention_kernel import combine_splits
 
 SHAPES = ((4, 4096 * 4), (8, 512), (4, 8192))  # (splits, rows): TTFT, batch-1 decode, ...
 
