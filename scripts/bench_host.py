@@ -20,8 +20,9 @@ import numpy as np
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.llm_engine import LLMEngine
-from jprefix.worker.model_runner import StepHandle, pack_rows, record_pending_rows
-from jprefix.worker.pack import BucketConfig, PackCache
+from jprefix.worker.input_batch import StepPacker
+from jprefix.worker.model_runner import StepHandle
+from jprefix.worker.pack import BucketConfig
 
 
 class PackingStub:
@@ -31,13 +32,11 @@ class PackingStub:
         self.num_blocks, self.block_size = num_blocks, block_size  # (as ModelRunner)
         self.buckets = BucketConfig(min_seqs=8)
         self.last_timing, self.shapes_seen = (0.0, 0.0), set()
-        self.pack_cache = PackCache()
+        self.packer = StepPacker(block_size, self.buckets)
 
     def dispatch(self, scheduled, plan=None) -> StepHandle:
-        scheduled, _, order = pack_rows(scheduled, plan, self.block_size, self.buckets,
-                                        self.pack_cache)
-        record_pending_rows(scheduled)
-        return StepHandle(None, len(scheduled), order)
+        rows, _, order, _ = self.packer.pack(scheduled, plan)
+        return StepHandle(None, len(rows), order)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         return np.full(handle.num_rows, 42, np.int32)

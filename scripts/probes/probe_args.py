@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jprefix  # noqa: F401  (the engine's XLA settings)
+from jprefix.worker import xla_flags
 from scripts.bench_throughput import write_json
 from scripts.probes.probe_launch import issue_and_whole
 
@@ -31,6 +31,7 @@ def time_call(leaves, ints, floats, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    xla_flags.apply()  # XLA's flags as the engine runs them, before jax starts
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--leaves", type=int, nargs="+", default=[0, 64, 195, 400])
     ap.add_argument("--reps", type=int, default=200)

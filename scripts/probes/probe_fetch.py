@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jprefix  # noqa: F401  (the engine's XLA settings)
+from jprefix.worker import xla_flags
 from scripts.bench_throughput import write_json
 
 
@@ -45,6 +45,7 @@ def _fetch(out, how: str) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    xla_flags.apply()  # XLA's flags as the engine runs them, before jax starts
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=150,

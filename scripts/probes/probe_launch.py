@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-import jprefix  # noqa: F401  (sets XLA's flags as the engine runs them, before jax starts)
+from jprefix.worker import xla_flags
 from scripts.bench_throughput import write_json
 
 
@@ -103,6 +103,7 @@ def probe_torch(n: int, reps: int) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    xla_flags.apply()  # XLA's flags as the engine runs them, before jax starts
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kernels", type=int, default=500)
     ap.add_argument("--reps", type=int, default=20)
