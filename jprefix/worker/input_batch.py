@@ -71,8 +71,12 @@ class StepPacker:
             if plan is None:
                 rows, order, num_decode = _decode_rows_first(rows)
             packed = self._pack(rows, plan, num_decode)
-        self.pending_rows = {sc.seq: i for i, sc in enumerate(rows) if sc.sample}
-        decode = is_decode_step([sc.num_new_tokens for sc in rows])
+        seqs, _, num_new, samples = zip(*rows, strict=True) if rows else ((),) * 4
+        if all(samples):  # (C-level when every row samples, as in decode steps)
+            self.pending_rows = dict(zip(seqs, range(len(seqs)), strict=True))
+        else:
+            self.pending_rows = {sc.seq: i for i, sc in enumerate(rows) if sc.sample}
+        decode = is_decode_step(num_new)
         return PackedRows(rows, packed, order, StepKind(decode, plan is not None, num_decode))
 
     def _repack(self, rows: list[ScheduledSeq], plan: CascadePlan | None) -> PackedStep | None:

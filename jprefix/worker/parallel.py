@@ -1,6 +1,6 @@
 """Tensor parallelism over one device mesh axis, "tp" (Megatron-style, through jit).
 
-Weights take `models.llama.param_partition_specs` (Q/K/V and gate/up split by output,
+Weights take `models.layout.param_partition_specs` (Q/K/V and gate/up split by output,
 wo and w_down by input); the KV cache is split on its kv-head axis. XLA's partitioner
 inserts the all-reduces around the matmuls; attention and the KV write run per shard
 under `shard_map`, each device on its own query and kv heads (heads are split in
@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from models.layout import param_partition_specs
+from models.layout import param_shardings
 
 AXIS = "tp"
 HEADS = PartitionSpec(None, AXIS)  # [T, H, D] activations and [L, K, N, B, D] caches
@@ -40,10 +40,7 @@ def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh | None:
 
 def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     """Places (stacked-layer) params with their tensor-parallel shardings."""
-    specs = param_partition_specs(cfg, AXIS)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                             is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return jax.device_put(params, shardings)
+    return jax.device_put(params, param_shardings(cfg, mesh, AXIS))
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
