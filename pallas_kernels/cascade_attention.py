@@ -18,25 +18,22 @@ the last, or in a group with prefix_kv_lens 0) get the suffix attention alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    prefill_kv_splits,
-)
+from pallas_kernels.common import INT32
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention_tiling import BlockSizes, prefill_kv_splits
 
-_INT32 = jnp.dtype(jnp.int32)
-# Defaults measured best on an H200 (docs/PERF.md, fourth session): the shared-prefix part
-# in 64-row tiles within ~384 programs (256 queries x 592 keys: 15 vs 25 us at 128 rows and
-# ~1024 programs); the per-sequence suffix, short, in 32-key steps (~130 keys: 0.146 vs
-# 0.172 ms with 64; the same at 232)
-PREFIX_BLOCK_Q = 64
+# The shared-prefix part: 64-row tiles, its key range split (kv_splits None:
+# `resolve_prefix_block_sizes`) within ~384 programs, at most 8 ways. The per-sequence
+# suffix is short (a prompt's own tokens and the output): 32-key steps.
+PREFIX_BLOCK_SIZES = BlockSizes(block_q=64)
+SUFFIX_BLOCK_SIZES = BlockSizes(block_kv=32)
 _PREFIX_TARGET_PROGRAMS, _PREFIX_MAX_SPLITS = 384, 8
-SUFFIX_BLOCK_KV = 32
 
 
 def merge_attention(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array):
@@ -58,14 +55,14 @@ def merge_attention(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Arr
 
 def _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens):
     """Raises ValueError naming the prefix argument whose shape or dtype is wrong."""
-    if prefix_block_tables.ndim != 2 or jnp.dtype(prefix_block_tables.dtype) != _INT32:
+    if prefix_block_tables.ndim != 2 or jnp.dtype(prefix_block_tables.dtype) != INT32:
         raise ValueError(f"prefix_block_tables must be int32 [G, Mp], got "
                          f"{prefix_block_tables.dtype}{list(prefix_block_tables.shape)}")
     g = prefix_block_tables.shape[0]
-    if prefix_kv_lens.shape != (g,) or jnp.dtype(prefix_kv_lens.dtype) != _INT32:
+    if prefix_kv_lens.shape != (g,) or jnp.dtype(prefix_kv_lens.dtype) != INT32:
         raise ValueError(f"prefix_kv_lens must be int32 [{g}], got "
                          f"{prefix_kv_lens.dtype}{list(prefix_kv_lens.shape)}")
-    if prefix_cu_q_lens.shape != (g + 1,) or jnp.dtype(prefix_cu_q_lens.dtype) != _INT32:
+    if prefix_cu_q_lens.shape != (g + 1,) or jnp.dtype(prefix_cu_q_lens.dtype) != INT32:
         raise ValueError(f"prefix_cu_q_lens must be int32 [{g + 1}], got "
                          f"{prefix_cu_q_lens.dtype}{list(prefix_cu_q_lens.shape)}")
     if q.ndim != 3:
@@ -84,8 +81,8 @@ def _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "soft_cap", "interpret", "use_reference", "max_q_len", "prefix_block_q",
-    "prefix_kv_splits", "suffix_block_kv"))
+    "scale", "soft_cap", "interpret", "use_reference", "max_q_len", "prefix_block_sizes",
+    "suffix_block_sizes"))
 def cascade_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -103,20 +100,17 @@ def cascade_attention(
     interpret: bool = False,
     use_reference: bool = False,
     max_q_len: int | None = None,
-    prefix_block_q: int = PREFIX_BLOCK_Q,
-    prefix_kv_splits: int | None = None,
-    suffix_block_kv: int = SUFFIX_BLOCK_KV,
+    prefix_block_sizes: BlockSizes = PREFIX_BLOCK_SIZES,
+    suffix_block_sizes: BlockSizes = SUFFIX_BLOCK_SIZES,
 ) -> jax.Array:
     """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
 
     Equals `paged_attention` over the full block tables (prefix blocks + suffix blocks,
     kv_lens = prefix + suffix). `max_q_len` is the suffix part's tiling hint (1 = decode);
-    the prefix part always uses the prefill tiling with `prefix_block_q` rows per tile and
-    `prefix_kv_splits` key-range splits (None: `prefix_splits`); the suffix part steps
-    `suffix_block_kv` keys at a time (suffixes are short: a prompt's own tokens and the
-    output).
-    `use_reference` runs the same composition on `paged_attention_reference` (the XLA
-    path; the tuning knobs are ignored there).
+    the prefix part always uses the prefill tiling. `prefix_block_sizes` and
+    `suffix_block_sizes` tune the two `paged_attention` calls (the prefix's kv_splits
+    None: `resolve_prefix_block_sizes`). `use_reference` runs the same composition on
+    `paged_attention_reference` (the XLA path; the knobs are ignored there).
     """
     _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     groups = _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
@@ -128,23 +122,25 @@ def cascade_attention(
         o1, lse1 = paged_attention_reference(**groups, causal=False, **common)
         o2, lse2 = paged_attention_reference(**suffix, **common)
     else:
-        if prefix_kv_splits is None:
-            prefix_kv_splits = prefix_splits(q, k_cache, prefix_block_q)
+        prefix_bs = resolve_prefix_block_sizes(q, k_cache, prefix_block_sizes)
         o1, lse1 = paged_attention(**groups, causal=False, interpret=interpret,
-                                   block_q=prefix_block_q, kv_splits=prefix_kv_splits,
-                                   **common)
+                                   block_sizes=prefix_bs, **common)
         o2, lse2 = paged_attention(**suffix, interpret=interpret, max_q_len=max_q_len,
-                                   block_kv=suffix_block_kv,
-                                   **common)
+                                   block_sizes=suffix_block_sizes, **common)
     return merge_attention(o1, lse1, o2, lse2)[0]
 
 
-def prefix_splits(q, k_cache, block_q: int = PREFIX_BLOCK_Q) -> int:
-    """The prefix part's key-range splits when not given: the most (up to 8) that keep it
-    within ~384 programs."""
+def resolve_prefix_block_sizes(q: jax.Array, k_cache: jax.Array,
+                               block_sizes: BlockSizes = PREFIX_BLOCK_SIZES) -> BlockSizes:
+    """The shared-prefix part's knobs: `block_sizes` with kv_splits, where None, the most
+    (a power of 2, up to 8) that keep the part within ~384 programs. q [T, H, D], k_cache
+    [L, K, N, B, D]."""
+    if block_sizes.kv_splits is not None:
+        return block_sizes
     t, h, _ = q.shape
-    return prefill_kv_splits(t, h, k_cache.shape[1], block_q, _PREFIX_TARGET_PROGRAMS,
-                             _PREFIX_MAX_SPLITS)
+    splits = prefill_kv_splits(t, h, k_cache.shape[1], block_sizes.block_q,
+                               _PREFIX_TARGET_PROGRAMS, _PREFIX_MAX_SPLITS)
+    return dataclasses.replace(block_sizes, kv_splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))

@@ -3,13 +3,11 @@
 slot = block * B + offset; padding tokens carry slots 0..B-1 of the null block 0.
 `write_kv` is one XLA row scatter per cache into its `[L*K*N*B, D]` view. Under `jit`
 with the caches donated (or inside a jitted step whose cache is donated) XLA updates the
-buffer in place: the cost is the T*K*D written elements, not the cache size (checked on
-an H200: the output aliases the donated input, no cache-sized copy or temporary).
+buffer in place: the cost is the T*K*D written elements, not the cache size.
 
 Writes aimed at the null block are dropped (its content is unspecified anyway), which
-makes the remaining indices unique; telling XLA so (`unique_indices`) made the scatter
-5.5x faster for 16k tokens on the H200 (docs/PERF.md). An experimental Pallas write was
-another 1.35x faster there but needs a power-of-2 K; the scatter works for any shape.
+makes the remaining indices unique; telling XLA so (`unique_indices`) keeps it off its
+slow path for possibly colliding indices (docs/KERNEL_NOTES.md).
 
 On XLA:CPU a bfloat16 scatter is upcast through a whole-cache float32 conversion on
 every write (O(cache)), so CPU runs should keep float32 caches.
@@ -20,19 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def check_caches(k_cache, v_cache, layer) -> None:
-    """Raises ValueError unless the caches share one [L, K, N, B, D] shape and `layer` is
-    an integer scalar: the contract of every kernel here that takes the paged cache."""
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [L, K, N, B, D], got "
-                         f"{k_cache.shape} and {v_cache.shape}")
-    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}"
-                         f"{list(jnp.shape(layer))}")
+from pallas_kernels.common import check_caches, check_int32_rows
 
 
 def _check_inputs(k_cache, v_cache, layer, k, v, slot_mapping):
+    """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
     check_caches(k_cache, v_cache, layer)
     _, kh, _, _, d = k_cache.shape
     if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (kh, d):
@@ -53,8 +43,7 @@ def _rows(cache_shape, layer, slot_mapping):
     """
     num_layers, kh, n, b, _ = cache_shape
     num_rows = num_layers * kh * n * b
-    if num_rows + slot_mapping.shape[0] * kh >= 2**31:
-        raise ValueError(f"cache of {num_rows} rows is too large for int32 row indices")
+    check_int32_rows(num_rows, slot_mapping.shape[0] * kh)
     slots = slot_mapping.astype(jnp.int32)[:, None]  # [T, 1]
     heads = jnp.arange(kh, dtype=jnp.int32)[None, :]  # [1, K]
     rows = (layer * kh + heads) * (n * b) + slots
@@ -88,7 +77,14 @@ def write_kv(
     return _scatter(k_cache, rows, k), _scatter(v_cache, rows, v)
 
 
-def write_kv_reference(k_cache, v_cache, layer, k, v, slot_mapping):
+def write_kv_reference(
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array,  # int32 scalar
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    slot_mapping: jax.Array,  # [T] int32
+) -> tuple[jax.Array, jax.Array]:
     """Plain scatter over the [L, K, N*B, D] view: cache[layer, :, slot] = k[t] for all t
     (null-block slots included, where duplicates leave any one of the values)."""
     _check_inputs(k_cache, v_cache, layer, k, v, slot_mapping)

@@ -6,13 +6,14 @@ positions `<=` it, found through `block_tables[s]`. Padding sequences have q_len
 kv_len 0; rows at or beyond `cu_q_lens[S]` are padding and come out as zeros.
 
 With `causal=False` every query row of s attends to all `kv_lens[s]` keys (no position
-mask; cascade attention's shared-prefix part). With `return_lse=True` both functions also
-return each row's log-sum-exp of its logits over the keys it attends (natural log,
-float32 [T, H]; -inf for rows that attend to no key), so that partial attentions over
-disjoint key sets can be merged (`cascade_attention.merge_attention`).
+mask; cascade attention's shared-prefix part). With `return_lse=True` the op and its
+reference also return each row's log-sum-exp of its logits over the keys it attends
+(natural log, float32 [T, H]; -inf for rows that attend to no key), so that partial
+attentions over disjoint key sets can be merged (`cascade_attention.merge_attention`).
 
-Cache layout: `k_cache, v_cache: [L, K, N, B, D]`; the layer is an input so the engine
-passes the whole multi-layer buffer (slicing a layer out would copy it every step).
+`paged_attention` runs the Pallas kernel (`paged_attention_kernel.py`) tuned by
+`BlockSizes`; `paged_attention_reference` is the same function in plain jnp (the check,
+and the XLA path). Cache layout: `common.py`.
 """
 
 from __future__ import annotations
@@ -22,38 +23,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_cache import check_caches
-from pallas_kernels.paged_attention_kernel import KernelConfig, run_kernel, tile_metadata
-
-_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_INT32 = jnp.dtype(jnp.int32)
-_TARGET_PROGRAMS = 1024  # decode: split the key range until about this many programs
-# prefill tiling: a batch of few tiles (one short prompt: time to first token) splits its
-# key range until about this many programs, at most _MAX_PREFILL_SPLITS ways
-_PREFILL_TARGET_PROGRAMS = 256
-_MAX_PREFILL_SPLITS = 4
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def prefill_kv_splits(num_tokens: int, num_heads: int, num_kv_heads: int, block_q: int,
-                      target_programs: int, max_splits: int) -> int:
-    """Key-range splits for the prefill tiling: the most (a power of 2, at most
-    `max_splits`) that keep ~ceil(T / tile tokens) tiles x KV heads x splits within
-    `target_programs` (ragged tile edges aside). Few tiles and many keys (one short prompt,
-    a cascade's shared prefix) want splits; more splits cost more partials to combine."""
-    tile_tokens = max(1, block_q // _next_pow2(num_heads // num_kv_heads))
-    programs = -(-num_tokens // tile_tokens) * num_kv_heads
-    splits = 1
-    while splits < max_splits and programs * splits * 2 <= target_programs:
-        splits *= 2
-    return splits
+from pallas_kernels.common import INT32, check_caches, check_float_dtypes, is_pow2
+from pallas_kernels.paged_attention_kernel import run_kernel
+from pallas_kernels.paged_attention_tiling import (
+    BlockSizes,
+    kernel_config,
+    resolve_block_sizes,
+    tile_metadata,
+)
 
 
 def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
@@ -67,66 +44,24 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
         raise ValueError(f"head_dim of q ({d}) != head_dim of k_cache ({dk})")
     if h % k:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k})")
-    if not (_is_pow2(d) and _is_pow2(b)):
+    if not (is_pow2(d) and is_pow2(b)):
         raise ValueError(f"head_dim ({d}) and block_size ({b}) must be powers of 2")
-    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype), jnp.dtype(v_cache.dtype)}
-    if len(dtypes) != 1 or jnp.dtype(q.dtype) not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"q, k_cache, v_cache must share one of bf16/f16/f32, got {q.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}")
-    if block_tables.ndim != 2 or jnp.dtype(block_tables.dtype) != _INT32:
+    check_float_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
+    if block_tables.ndim != 2 or jnp.dtype(block_tables.dtype) != INT32:
         raise ValueError(f"block_tables must be int32 [S, M], got {block_tables.dtype}"
                          f"{list(block_tables.shape)}")
     s = block_tables.shape[0]
-    if kv_lens.shape != (s,) or jnp.dtype(kv_lens.dtype) != _INT32:
+    if kv_lens.shape != (s,) or jnp.dtype(kv_lens.dtype) != INT32:
         raise ValueError(f"kv_lens must be int32 [{s}], got {kv_lens.dtype}{list(kv_lens.shape)}")
-    if cu_q_lens.shape != (s + 1,) or jnp.dtype(cu_q_lens.dtype) != _INT32:
+    if cu_q_lens.shape != (s + 1,) or jnp.dtype(cu_q_lens.dtype) != INT32:
         raise ValueError(f"cu_q_lens must be int32 [{s + 1}], got "
                          f"{cu_q_lens.dtype}{list(cu_q_lens.shape)}")
     if t == 0 or s == 0:
         raise ValueError(f"need at least one token and one sequence, got T={t}, S={s}")
 
 
-def _config(q, k_cache, *, scale, soft_cap, max_q_len, block_q, block_kv,
-            kv_splits, interpret, prefetch_pages, causal, return_lse, single_loop,
-            evict_first, mask_q, mask_kv, heads_per_tile) -> KernelConfig:
-    t, h, d = q.shape
-    _, k, n, b, _ = k_cache.shape
-    g = h // k
-    gp = _next_pow2(g)
-    decode = max_q_len == 1
-    tile_tokens = 1 if decode else max(1, block_q // gp)
-    block_kv = max(block_kv, b)
-    if not (_is_pow2(block_q) and _is_pow2(block_kv)):
-        raise ValueError(f"block_q ({block_q}) and block_kv ({block_kv}) must be powers of 2")
-    if prefetch_pages is None:
-        prefetch_pages = decode
-    if mask_q is None:
-        mask_q = decode
-    hp = heads_per_tile
-    if hp != 1 and not (decode and _is_pow2(hp) and k % hp == 0):
-        raise ValueError(f"heads_per_tile ({hp}) must be a power of 2 dividing the kv heads "
-                         f"({k}), with the decode tiling (max_q_len=1)")
-    if kv_splits is None and decode:  # one tile per token
-        kv_splits = min(8, _next_pow2(max(1, _TARGET_PROGRAMS // (t * k))))
-    elif kv_splits is None:
-        kv_splits = prefill_kv_splits(t, h, k, block_q, _PREFILL_TARGET_PROGRAMS,
-                                      _MAX_PREFILL_SPLITS)
-    return KernelConfig(
-        num_heads=h, num_kv_heads=k, num_blocks=n, block_size=b, head_dim=d, group=g,
-        group_padded=gp, tile_tokens=tile_tokens, tile_rows=max(16, tile_tokens * gp * hp),
-        pages_per_step=block_kv // b, kv_splits=kv_splits, scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), num_rows=t * h,
-        dump_rows=interpret, prefetch_pages=prefetch_pages, causal=causal,
-        return_lse=return_lse, single_loop=single_loop,
-        evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv, heads_per_tile=hp,
-    )
-
-
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "soft_cap", "interpret", "max_q_len", "block_q", "block_kv", "kv_splits",
-    "num_warps", "num_stages", "prefetch_pages", "causal", "return_lse", "single_loop",
-    "evict_first", "mask_q", "mask_kv", "heads_per_tile"))
+    "scale", "soft_cap", "interpret", "max_q_len", "causal", "return_lse", "block_sizes"))
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, K, N, B, D]
@@ -140,53 +75,25 @@ def paged_attention(
     soft_cap: float | None = None,
     interpret: bool = False,
     max_q_len: int | None = None,
-    block_q: int = 128,
-    block_kv: int = 64,
-    kv_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    prefetch_pages: bool | None = None,
     causal: bool = True,
     return_lse: bool = False,
-    single_loop: bool = False,
-    evict_first: bool = False,
-    mask_q: bool | None = None,
-    mask_kv: bool = True,
-    heads_per_tile: int = 1,
+    block_sizes: BlockSizes | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Attention of a ragged batch against the paged KV cache. Returns [T, H, D].
+    """Attention of a ragged batch against the paged KV cache. Returns [T, H, D], or with
+    `return_lse` `(out [T, H, D], lse [T, H] float32)` (module docstring).
 
-    `causal=False` drops the position mask (rows see all `kv_lens[s]` keys);
-    `return_lse=True` returns `(out [T, H, D], lse [T, H] float32)` (module docstring).
-
-    `max_q_len` is a static hint: 1 picks the decode tiling (one token per tile, the
-    key range split over `kv_splits` programs, None = enough splits for ~1024 programs);
-    any other value (or None) the prefill tiling (`block_q` rows = tokens x padded query
-    group per tile; `kv_splits` None = 1, or up to 4 when T is so small that the batch has
-    fewer than ~128 programs, as for one short prompt). Both compute the same function
-    for any input. `block_kv` (keys per inner step), `num_warps` (None: 8 for a causal
-    prefill tiling split over the key range, whose few programs are latency-bound; 4
-    otherwise), `num_stages` (None: 3 decode, 4 prefill, 2 float32), `prefetch_pages`
-    (load the next step's page ids a step early; None = on for the decode tiling, off for
-    prefill), `single_loop` (one masked key loop instead of unmasked steps then the
-    masked edge), `evict_first` (cache hint on the K/V loads), `mask_q` (skip loading a
-    tile's padding query rows; None = on for the decode tiling), `mask_kv` (edge steps
-    skip loading keys past kv_len) and `heads_per_tile` (decode tiling: KV heads per tile,
-    each row masked to its own head's keys; 1 = off, not yet measured on a GPU) tune the
-    Triton lowering; the defaults are the best measured on an H200 (docs/PERF.md).
+    `max_q_len` is a static hint: 1 picks the decode tiling (one token per tile, the key
+    range split over programs), any other value (or None) the prefill tiling (tiles of
+    `block_q` rows = tokens x padded query group). Both compute the same function for
+    any input; `block_sizes` (None: `BlockSizes()`) tunes the Triton lowering, its
+    None fields chosen by `resolve_block_sizes`.
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
-    cfg = _config(q, k_cache, scale=scale, soft_cap=soft_cap,
-                  max_q_len=max_q_len, block_q=block_q, block_kv=block_kv,
-                  kv_splits=kv_splits, interpret=interpret, prefetch_pages=prefetch_pages,
-                  causal=causal, return_lse=return_lse, single_loop=single_loop,
-                  evict_first=evict_first, mask_q=mask_q, mask_kv=mask_kv,
-                  heads_per_tile=heads_per_tile)
-    if num_stages is None:
-        num_stages = 2 if q.dtype == jnp.float32 else 3 if max_q_len == 1 else 4
-    if num_warps is None:  # one short prompt's prefill (time to first token): its 128-row
-        # tile x 4 splits ran 14.0 us with 4 warps, 9.6 with 8 (H200, docs/PERF.md)
-        num_warps = 8 if max_q_len != 1 and causal and cfg.kv_splits > 1 else 4
+    bs = resolve_block_sizes(block_sizes or BlockSizes(), q.shape, k_cache.shape, q.dtype,
+                             max_q_len=max_q_len, causal=causal)
+    cfg = kernel_config(bs, q.shape, k_cache.shape, decode=max_q_len == 1, scale=scale,
+                        soft_cap=soft_cap, interpret=interpret, causal=causal,
+                        return_lse=return_lse)
     num_layers, k, n, b, d = k_cache.shape
     t, h, _ = q.shape
     pad = -block_tables.shape[1] % cfg.pages_per_step
@@ -196,7 +103,7 @@ def paged_attention(
     rows = (num_layers * k * n * b, d)  # one row per cached token and head
     out = run_kernel(q.reshape(t * h, d), k_cache.reshape(rows), v_cache.reshape(rows),
                      layer, block_tables, meta, cfg,
-                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                     num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret)
     if return_lse:
         return out[0].reshape(t, h, d), out[1].reshape(t, h)
     return out.reshape(t, h, d)

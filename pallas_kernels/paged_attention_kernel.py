@@ -1,21 +1,24 @@
 """The Pallas (Triton backend) kernel behind `paged_attention.paged_attention`.
 
-One program handles one tile of query rows against one KV head (and, optionally, one
-slice of the key range). A tile's rows are `tokens x padded query group`: the G query
-heads that share a KV head sit in the same tile, so each gathered K/V page is loaded
-once for all of them. Decode uses one token per tile (rows = the query group padded to
-16, the smallest `dot`); prefill uses several tokens per tile. Tiles never straddle two
-sequences, so block tables and lengths are read as scalars per tile from a small
-metadata array computed by `tile_metadata` (no scalar prefetch on Triton).
+One program handles one tile of query rows (`paged_attention_tiling`) against one KV
+head and one slice of the key range, with an online softmax in log2 units over steps of
+`block_kv` keys. The key loop has two parts: the steps every row of the tile fully sees
+(no mask), then the causal / length edge. Each step gathers its keys from the cache
+viewed as `[L*K*N*B, D]`, one row pointer per key (row = ((layer*K + head)*N + page)*B +
+offset, the page id read per key from the block table). With `kv_splits > 1` each
+program stores unnormalised float32 partials that `combine_splits` merges in XLA.
 
 Two static options add code only when set: `causal=False` (every row sees all `kv_len`
 keys; cascade attention's shared-prefix part) and `return_lse` (also the log-sum-exp of
 each row's logits, natural log, -inf for rows that see no key).
+
+Interpret mode stores a masked lane as a read-modify-write scatter, so two lanes of one
+store must not share a row: with `cfg.dump_rows` masked rows store to private rows past
+the output's end (sliced off); on a GPU masked lanes simply do not store.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -25,88 +28,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention_tiling import KernelConfig
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Finite start for the running max so that fully masked rows never compute inf - inf.
 _M_INIT = -1e30
-META_FIELDS = 5  # seq, first token, valid tokens, position of first token, kv_len
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Static shape and tiling facts of one kernel instantiation."""
-
-    num_heads: int  # H
-    num_kv_heads: int  # K
-    num_blocks: int  # N
-    block_size: int  # B
-    head_dim: int  # D
-    group: int  # G = H // K
-    group_padded: int  # next power of 2 >= G
-    tile_tokens: int  # query tokens per tile
-    tile_rows: int  # rows per tile = max(16, tile_tokens * group_padded)
-    pages_per_step: int  # pages gathered per inner step (block_kv = pages * B)
-    kv_splits: int  # programs splitting one tile's key range
-    scale: float
-    soft_cap: float | None
-    num_rows: int  # T * H: rows of the flattened query / output
-    dump_rows: bool  # masked rows store to private rows past num_rows (interpret mode)
-    prefetch_pages: bool  # load the next step's page ids one step ahead
-    causal: bool = True  # False: every row sees keys [0, kv_len) (no position mask)
-    return_lse: bool = False  # also output the natural-log log-sum-exp per row
-    single_loop: bool = False  # one masked key loop instead of full steps + masked edge
-    evict_first: bool = False  # K/V loads hint evict_first (streamed once)
-    mask_q: bool = False  # q rows outside the tile's valid rows are not loaded (zeros)
-    mask_kv: bool = True  # edge steps skip loading keys at or past kv_len (zeros)
-    # decode tiling only: KV heads per tile. With hp > 1 a tile's rows are hp query groups
-    # of one token, a step gathers block_kv keys of each of the hp heads, and a
-    # block-diagonal mask keeps each row to its own head's keys (more work per program
-    # for short contexts, where a program's fixed latency dominates)
-    heads_per_tile: int = 1
-
-    @property
-    def block_kv(self) -> int:
-        return self.pages_per_step * self.block_size
-
-    @property
-    def keys_per_step(self) -> int:
-        """Rows gathered per step: block_kv keys of each of the tile's KV heads."""
-        return self.heads_per_tile * self.block_kv
-
-
-def num_tiles(num_tokens: int, num_seqs: int, tile_tokens: int) -> int:
-    """Static upper bound on the tiles of a ragged batch (+1 segment for padding rows)."""
-    return (num_tokens + (num_seqs + 1) * (tile_tokens - 1)) // tile_tokens
-
-
-def tile_metadata(cu_q_lens, kv_lens, num_tokens: int, tile_tokens: int):
-    """Per-tile `[seq, first_token, valid_tokens, first_pos, kv_len]`, int32 [NT, 5].
-
-    Rows `cu_q_lens[S]:num_tokens` form an extra segment with kv_len 0 so that padding
-    rows are written (as zeros) like any other. Tiles past the last one are empty.
-    """
-    num_seqs = kv_lens.shape[0]
-    q_lens = jnp.concatenate([cu_q_lens[1:] - cu_q_lens[:-1], num_tokens - cu_q_lens[-1:]])
-    q_lens = jnp.maximum(q_lens, 0)
-    kv = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
-    tiles = (q_lens + tile_tokens - 1) // tile_tokens
-    tile_end = jnp.cumsum(tiles)
-    t = jnp.arange(num_tiles(num_tokens, num_seqs, tile_tokens), dtype=jnp.int32)
-    # compare_all: one fused compare-and-count; the default binary search lowers to a
-    # while loop of tiny kernels, launched one by one on the GPU
-    seg = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
-    live = seg <= num_seqs
-    seg = jnp.minimum(seg, num_seqs)
-    offset = (t - (tile_end[seg] - tiles[seg])) * tile_tokens
-    valid = jnp.where(live, jnp.clip(q_lens[seg] - offset, 0, tile_tokens), 0)
-    meta = [
-        jnp.minimum(seg, num_seqs - 1),
-        cu_q_lens[seg] + offset,
-        valid,
-        kv[seg] - q_lens[seg] + offset,
-        jnp.where(live, kv[seg], 0),
-    ]
-    return jnp.stack(meta, axis=1).astype(jnp.int32)
 
 
 def _logits(q, k, cfg: KernelConfig):
@@ -120,10 +47,14 @@ def _logits(q, k, cfg: KernelConfig):
 
 def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg,
           masked):
-    """One online-softmax step over `block_kv` keys gathered from `pages_per_step` pages.
+    """One online-softmax step over `block_kv` keys (of each of the tile's heads) gathered
+    from `pages_per_step` pages; `masked` adds the causal / length mask (edge steps).
 
-    With `prefetch_pages` the carry holds this step's page ids, loaded one step ahead so
-    that the K/V gather does not wait on the block-table load.
+    q [R, D] and pos, row_head [R] (R = tile_rows); bt_ref [S, Mp] int32; k_ref, v_ref
+    [L*K*N*B, D]; carry = (o [R, D] float32, running max m [R] and denominator [R]
+    float32 in log2 units, page ids [keys_per_step]). With `prefetch_pages` the carry's
+    page ids are this step's, loaded one step ahead so that the K/V gather does not wait
+    on the block-table load.
     """
     o, m, denom, pages = carry
     if cfg.prefetch_pages:
@@ -133,8 +64,7 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
         pages = nxt = _load_pages(bt_ref, seq, j, cfg)
     kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
     key_pos = j * cfg.block_kv + kk % cfg.block_kv
-    # An edge step's keys past kv_len are padding: with mask_kv they are not fetched
-    # (a short decode suffix of ~130 keys would otherwise read 192 rows).
+    # An edge step's keys past kv_len are padding: with mask_kv they are not fetched.
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
     k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok)
     x = _logits(q, k, cfg)
@@ -155,19 +85,18 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
 
 
 def _load_pages(bt_ref, seq, j, cfg):
-    """Page id of each key of step j, [keys_per_step] (each page's id repeated B times,
-    and the step's ids repeated for each of the tile's heads)."""
+    """Page id of each key of step j from bt_ref [S, Mp], [keys_per_step] (each page's id
+    repeated B times, and the step's ids repeated for each of the tile's heads)."""
     kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32) % cfg.block_kv
     return bt_ref[seq, j * cfg.pages_per_step + kk // cfg.block_size]
 
 
 def _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok=None):
-    """The step's keys and values, [block_kv, D] each, one cache row per key; rows where
-    `kv_ok` [block_kv] is False are not loaded (zeros).
-
-    Row-per-key pointers (rather than a [P, B, D] page load reshaped to [block_kv, D])
-    measured 1.5-1.7x faster decode on the H200 (docs/PERF.md, 2026-11-30).
-    """
+    """The step's keys and values from k_ref, v_ref [L*K*N*B, D], [keys_per_step, D]
+    each, one row pointer per key (not a [P, B, D] page load reshaped, see
+    docs/KERNEL_NOTES.md); `page_base` is the block index of the (layer, first head)'s
+    block 0, `pages` [keys_per_step] the keys' page ids; rows where `kv_ok`
+    [keys_per_step] is False are not loaded (zeros)."""
     kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
     if cfg.heads_per_tile > 1:  # page_base is the tile's first head's; key kk is of head
         page_base = page_base + (kk // cfg.block_kv) * cfg.num_blocks  # kk // block_kv
@@ -194,13 +123,14 @@ def ragged_paged_attention_kernel(
     # kv_splits == 1 and return_lse: lse [T*H(+R)] float32
     cfg: KernelConfig,
 ):
+    """Program (tile, KV head group, split) of the grid (NT, K / heads_per_tile,
+    kv_splits). R = tile_rows extra output rows exist with `cfg.dump_rows` (interpret
+    mode), where masked rows store."""
     tile, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The grid has room for the most tiles a ragged batch of S sequences can need; the
     # tiles past the batch's last (valid 0) return at once: they store nothing, and
-    # loading their queries is not free (one prompt of ~100 new tokens in a step of 8
-    # sequence slots launches 9 prefill tiles per head and split, 1 of them live; the
-    # time-to-first-token step's attention fell from 29.9 to 18.5 us per layer on the
-    # H200, docs/PERF.md).
+    # loading their queries is not free (a step padded to 8 sequence slots with one
+    # short prompt has 1 live prefill tile of 9 per head and split).
     # (The program ids are read out here: interpret mode cannot lower them inside a cond.)
     pl.when(meta_ref[tile, 2] > 0)(functools.partial(
         _tile, tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
@@ -278,8 +208,10 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_
     plgpu.store(denom_ref.at[prow], denom, mask=row_ok)
 
 
-def combine_splits(o, m, denom, num_rows: int, dtype, return_lse: bool = False):
-    """Merges per-split partials [splits, rows, D] / [splits, rows] into [num_rows, D].
+def combine_splits(o: jax.Array, m: jax.Array, denom: jax.Array, num_rows: int, dtype,
+                   return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Merges per-split partials into [num_rows, D] in `dtype`: o [splits, rows, D]
+    (unnormalised), m and denom [splits, rows] (running max in log2 units, denominator).
 
     With `return_lse` also returns the rows' natural-log log-sum-exp [num_rows] (-inf
     where no split saw a key).
@@ -295,9 +227,13 @@ def combine_splits(o, m, denom, num_rows: int, dtype, return_lse: bool = False):
     return out.astype(dtype), lse
 
 
-def run_kernel(q2, k2, v2, layer, block_tables, meta, cfg: KernelConfig, *,
-               num_warps: int, num_stages: int, interpret: bool):
-    """Launches the kernel; q2 is [T*H, D], k2/v2 are the caches as [L*K*N*B, D].
+def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
+               block_tables: jax.Array, meta: jax.Array, cfg: KernelConfig, *,
+               num_warps: int, num_stages: int, interpret: bool
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Launches the kernel: q2 [T*H, D]; k2, v2 the caches as [L*K*N*B, D]; layer [1]
+    int32; block_tables [S, Mp] int32 (Mp a multiple of pages_per_step); meta [NT, 5]
+    int32 (`tile_metadata`).
 
     Returns [T*H, D], or with `cfg.return_lse` ([T*H, D], lse [T*H] float32).
     """

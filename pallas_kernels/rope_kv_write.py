@@ -1,7 +1,7 @@
 """Rotary embedding of one layer's Q and K fused with the write of its new K/V into the
-paged cache `[L, K, N, B, D]`: one kernel launch where XLA runs three (q rope, k rope +
-scatter, v scatter), each launch ~5-10 us of host time on the H200, which the
-time-to-first-token step of a short prompt pays per layer.
+paged cache `[L, K, N, B, D]`: one kernel launch per layer where XLA runs three (q rope,
+k rope + scatter, v scatter); each launch costs host time that a small step (decode, or
+the time-to-first-token step of a short prompt) pays per layer.
 
 The input is the fused projection `qkv` [T, (H + 2K) * D] (columns [q heads | k heads |
 v heads], each head's D columns contiguous, as `models.llama._qkv` slices it). Program
@@ -28,13 +28,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kv_cache import check_caches, write_kv
+from pallas_kernels.common import (
+    check_caches,
+    check_float_dtypes,
+    check_int32_rows,
+    is_pow2,
+    next_pow2,
+)
+from pallas_kernels.kv_cache import write_kv
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # Elements of one head's tile ([bt, D]): a q program moves ~2K elements in and out, a KV
 # program ~4K (k and v), 8-16 per thread with 4 warps (a usual size for elementwise
-# Triton kernels; not yet swept on the H200). With a 7B model's D = 128, T = 8192 makes
-# 512 x 64 programs and T = 16 one tile of 64 (latency bound: one wave on 132 SMs).
+# Triton kernels). Small T gets one tile of next_pow2(T) tokens per head.
 _TILE_ELEMENTS = 2048
 
 
@@ -49,14 +54,6 @@ class _Config:
     block_size: int  # B
     head_dim: int  # D
     block_tokens: int  # bt
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v_in,
@@ -109,6 +106,7 @@ def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v
 
 def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
                   num_heads, num_kv_heads, block_tokens):
+    """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
     check_caches(k_cache, v_cache, layer)
     num_layers, kh, n, b, d = k_cache.shape
     if kh != num_kv_heads:
@@ -116,26 +114,21 @@ def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_fre
     if num_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads})")
-    if not (_is_pow2(d) and d >= 2):
+    if not (is_pow2(d) and d >= 2):
         raise ValueError(f"head_dim ({d}) must be a power of 2 >= 2 (Triton block shapes)")
     width = (num_heads + 2 * num_kv_heads) * d
     if qkv.ndim != 2 or qkv.shape[1] != width or qkv.shape[0] < 1:
         raise ValueError(f"qkv must be [T >= 1, (H + 2K) * D = {width}], got {qkv.shape}")
     t = qkv.shape[0]
-    dtypes = {jnp.dtype(qkv.dtype), jnp.dtype(k_cache.dtype), jnp.dtype(v_cache.dtype)}
-    if len(dtypes) != 1 or jnp.dtype(qkv.dtype) not in _FLOAT_DTYPES:
-        raise ValueError(f"qkv, k_cache, v_cache must share one of bf16/f16/f32, got "
-                         f"{qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_float_dtypes(qkv=qkv, k_cache=k_cache, v_cache=v_cache)
     for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
         if x.shape != (t,) or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer [{t}], got {x.dtype}{list(x.shape)}")
     if inv_freq.shape != (d // 2,) or jnp.dtype(inv_freq.dtype) != jnp.float32:
         raise ValueError(f"inv_freq must be float32 [{d // 2}] (head_dim {d}), got "
                          f"{inv_freq.dtype}{list(inv_freq.shape)}")
-    if num_layers * kh * n * b >= 2**31:
-        raise ValueError(f"cache of {num_layers * kh * n * b} rows is too large for int32 "
-                         "row indices")
-    if block_tokens is not None and not _is_pow2(block_tokens):
+    check_int32_rows(num_layers * kh * n * b)
+    if block_tokens is not None and not is_pow2(block_tokens):
         raise ValueError(f"block_tokens ({block_tokens}) must be a power of 2")
 
 
@@ -165,7 +158,7 @@ def rope_write_kv(
                   num_heads, num_kv_heads, block_tokens)
     t = qkv.shape[0]
     num_layers, kh, n, b, d = k_cache.shape
-    bt = block_tokens or min(max(1, _TILE_ELEMENTS // d), _next_pow2(t))
+    bt = block_tokens or min(max(1, _TILE_ELEMENTS // d), next_pow2(t))
     cfg = _Config(num_tokens=t, num_heads=num_heads, num_kv_heads=kh, slots=n * b,
                   block_size=b, head_dim=d, block_tokens=bt)
     rows = num_layers * kh * n * b
@@ -186,8 +179,18 @@ def rope_write_kv(
             v_flat.reshape(v_cache.shape))
 
 
-def rope_write_kv_reference(qkv, positions, slot_mapping, k_cache, v_cache, layer,
-                            inv_freq, *, num_heads: int, num_kv_heads: int):
+def rope_write_kv_reference(
+    qkv: jax.Array,  # [T, (H + 2K) * D]
+    positions: jax.Array,  # [T] int32
+    slot_mapping: jax.Array,  # [T] int32
+    k_cache: jax.Array,  # [L, K, N, B, D]
+    v_cache: jax.Array,  # [L, K, N, B, D]
+    layer: jax.Array | int,  # int32 scalar
+    inv_freq: jax.Array,  # [D/2] float32
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The same unfused: `models.llama.apply_rope` on q and k, then `kv_cache.write_kv`."""
     from models.llama import apply_rope  # (here: models may come to import this module)
 

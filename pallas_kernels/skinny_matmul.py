@@ -2,14 +2,13 @@
 weights streamed once.
 
 A step of one short prompt (time to first token) or of a small decode batch multiplies
-~100 rows by each weight matrix, so the cost is reading the weights (Llama-2-7B: 13.5 GB,
-~3.1 ms at 4.3 TB/s). One program owns `block_n` output columns and all M rows: it walks
-the K axis in `block_k` steps (Triton pipelines the weight loads) and keeps the [M,
-block_n] accumulator in registers, so each weight byte is read once and x (M x K, a few
-hundred KB) comes from L2. Few output columns (the attention output and down projections
-of a 7B model have N = 4,096) would leave most SMs idle, so the K axis can also be split
-over `k_splits` programs, whose float32 partials the wrapper sums (XLA fuses that sum
-with whatever follows, e.g. the residual add).
+few rows by each weight matrix, so the cost is reading the weights. One program owns
+`block_n` output columns and all M rows: it walks the K axis in `block_k` steps (Triton
+pipelines the weight loads, hinted `evict_first`) and keeps the [M, block_n]
+accumulator in registers, so each weight byte is read once and x (M x K, a few hundred
+KB) comes from L2. Few output columns would leave most SMs idle, so the K axis can also
+be split over `k_splits` programs, whose float32 partials the wrapper sums (XLA fuses
+that sum with whatever follows, e.g. the residual add).
 
 `act="silu_mul"` fuses the gated MLP: w is [gate | up] ([K, 2F]) and the output is
 silu(x @ gate) * (x @ up) [M, F]; a program loads the matching columns of both halves.
@@ -26,13 +25,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import FLOAT_DTYPES, is_pow2
+
 ACTIVATIONS = (None, "silu_mul")
-_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-# Where the kernel beats XLA's matmul on the H200 (scripts/bench_gemm.py, docs/PERF.md):
-# at 16 rows, with >= 128 programs of 64 output columns (the 132 SMs busy without K
-# splits). At 128 rows XLA's is as fast or faster (x, re-read from L2 by every program,
-# costs as much as the weights there), and with fewer columns (a 7B model's attention
-# output and down projections) K splits did not pay.
+# Where the kernel is chosen over XLA's matmul (`skinny_tiling`): up to 16 rows, with
+# at least 128 programs of 64 output columns (a GPU's SMs busy without K splits). With
+# more rows every program re-reads x from L2, as many bytes as its share of the weights;
+# with fewer columns K splits did not pay (docs/KERNEL_NOTES.md).
 SKINNY_MAX_ROWS = 16
 SKINNY_MIN_PROGRAMS = 128
 
@@ -51,7 +50,7 @@ class MatmulTiling:
 def _rows_ok(m: int) -> bool:
     """Whether the kernel takes m rows: a power of 2 (Triton's block sizes) >= 16 (its
     smallest dot)."""
-    return m >= 16 and m & (m - 1) == 0
+    return m >= 16 and is_pow2(m)
 
 
 def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
@@ -112,7 +111,7 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
         raise ValueError(f"x {x.shape} and w {w.shape} must both be 2-D")
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
-    if x.dtype != w.dtype or x.dtype not in _FLOAT_DTYPES:
+    if x.dtype != w.dtype or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x ({x.dtype}) and w ({w.dtype}) must share a float dtype")
     if act not in ACTIVATIONS:
         raise ValueError(f"act {act!r} is not one of {ACTIVATIONS}")
@@ -120,7 +119,7 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
     n = w.shape[1] // (2 if act == "silu_mul" else 1)
     if not _rows_ok(m):
         raise ValueError(f"x has {m} rows: a power of 2 >= 16 is needed (pad the rows)")
-    if not all(b >= 16 and b & (b - 1) == 0 for b in (tiling.block_n, tiling.block_k)):
+    if not all(b >= 16 and is_pow2(b) for b in (tiling.block_n, tiling.block_k)):
         raise ValueError(f"block_n {tiling.block_n} and block_k {tiling.block_k} must be "
                          "powers of 2 >= 16 (Triton's smallest dot)")
     if tiling.k_splits < 1:

@@ -16,6 +16,7 @@ from pallas_kernels.cascade_attention import (
     merge_attention,
 )
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention_tiling import BlockSizes
 
 SCALE = 0.3
 
@@ -66,8 +67,9 @@ def test_kernel_lse_matches_numpy_logsumexp(max_q_len, kv_splits, causal):
     batch = make_batch(np.random.default_rng(kv_splits or 5), seqs, head_dim=32)
     want_o, want_lse = numpy_attention_lse(batch, SCALE, causal=causal)
     out, lse = paged_attention(**batch, scale=SCALE, causal=causal, return_lse=True,
-                               max_q_len=max_q_len, kv_splits=kv_splits, block_q=16,
-                               block_kv=8, interpret=INTERPRET)
+                               max_q_len=max_q_len, interpret=INTERPRET,
+                               block_sizes=BlockSizes(kv_splits=kv_splits, block_q=16,
+                                                      block_kv=8))
     ref_o, ref_lse = paged_attention_reference(**batch, scale=SCALE, causal=causal,
                                                return_lse=True)
     assert lse.shape == batch["q"].shape[:2] and not np.isnan(np.asarray(out)).any()
@@ -84,14 +86,16 @@ def test_kernel_lse_soft_cap_gqa(dtype):
                        head_dim=32, dtype=dtype)
     _, want_lse = numpy_attention_lse(batch, SCALE, causal=False, soft_cap=2.0)
     _, lse = paged_attention(**batch, scale=SCALE, soft_cap=2.0, causal=False,
-                             return_lse=True, block_q=16, interpret=INTERPRET)
+                             return_lse=True, block_sizes=BlockSizes(block_q=16),
+                             interpret=INTERPRET)
     check_lse(lse, want_lse, dtype)
 
 
 def test_default_options_unchanged():
     batch = make_batch(np.random.default_rng(2), PREFILL, head_dim=32)
-    plain = paged_attention(**batch, scale=SCALE, block_q=16, interpret=INTERPRET)
-    out, _ = paged_attention(**batch, scale=SCALE, block_q=16, interpret=INTERPRET,
+    bs = BlockSizes(block_q=16)
+    plain = paged_attention(**batch, scale=SCALE, block_sizes=bs, interpret=INTERPRET)
+    out, _ = paged_attention(**batch, scale=SCALE, block_sizes=bs, interpret=INTERPRET,
                              return_lse=True)
     np.testing.assert_array_equal(out, plain)
     assert rel_err(plain, numpy_attention_lse(batch, SCALE)[0]) < TOL[jnp.float32]

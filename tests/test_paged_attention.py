@@ -17,6 +17,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
+from pallas_kernels.paged_attention_tiling import BlockSizes
 
 INTERPRET = jax.default_backend() == "cpu"
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # relative L2 error vs the reference
@@ -80,11 +81,11 @@ def rel_err(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def check_kernel(batch, *, scale=0.3, soft_cap=None, **knobs):
+def check_kernel(batch, *, scale=0.3, soft_cap=None, max_q_len=None, **knobs):
     dtype = batch["q"].dtype
     ref = paged_attention_reference(**batch, scale=scale, soft_cap=soft_cap)
     out = paged_attention(**batch, scale=scale, soft_cap=soft_cap, interpret=INTERPRET,
-                          **knobs)
+                          max_q_len=max_q_len, block_sizes=BlockSizes(**knobs))
     assert out.shape == batch["q"].shape and out.dtype == dtype
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any(), "some output rows were never written"
@@ -235,7 +236,7 @@ def test_heads_per_tile_needs_decode_tiling_and_a_divisor():
     for hp, max_q_len in ((3, 1), (8, 1), (2, None)):
         with pytest.raises(ValueError, match="heads_per_tile"):
             paged_attention(**batch, scale=0.3, interpret=INTERPRET, max_q_len=max_q_len,
-                            heads_per_tile=hp)
+                            block_sizes=BlockSizes(heads_per_tile=hp))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
