@@ -1,4 +1,4 @@
-"""Cascade vs plain paged decode attention (issue 6): B sequences sharing a prefix.
+"""Cascade vs plain paged decode attention: B sequences sharing a prefix.
 
 Each sequence holds the shared prefix (`--prefix` tokens, whole blocks, the same
 physical blocks for all) and `--own` tokens of its own; one decode query each. Times the
@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cascade_attention import (
-    PREFIX_BLOCK_Q,
-    SUFFIX_BLOCK_KV,
+    SUFFIX_BLOCK_SIZES,
     cascade_attention,
-    prefix_splits,
+    resolve_prefix_block_sizes,
 )
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from scripts.bench_kernels import measure, rel_err  # (run with PYTHONPATH=$PWD)
@@ -62,10 +61,10 @@ def parts(casc, scale, interpret=False):
                              interpret=interpret)
     # both parts as cascade_attention runs them by default (it also prepends an empty
     # group: no work)
-    suffix = measure(functools.partial(attn, max_q_len=1, block_kv=SUFFIX_BLOCK_KV),
+    suffix = measure(functools.partial(attn, max_q_len=1, block_sizes=SUFFIX_BLOCK_SIZES),
                      q, kc, vc, layer, stab, slen, cu)
-    prefix = measure(functools.partial(attn, causal=False, block_q=PREFIX_BLOCK_Q,
-                                       kv_splits=prefix_splits(q, kc)),
+    prefix = measure(functools.partial(attn, causal=False,
+                                       block_sizes=resolve_prefix_block_sizes(q, kc)),
                      q, kc, vc, layer, ptab, plen, pcu)
     return suffix["seconds"], prefix["seconds"]
 

@@ -1,4 +1,4 @@
-"""Benchmarks jprefix's Pallas kernels on a GPU (issue 3's table); --smoke runs it tiny on CPU.
+"""Benchmarks jprefix's Pallas kernels on a GPU (the kernel table); --smoke runs it tiny on CPU.
 
 Sections: decode KV bandwidth vs JAX's own `pallas.ops.gpu.paged_attention` (both tuned
 over their knobs in this run), prefill TFLOP/s vs cuDNN on the dense equivalent,
@@ -14,6 +14,7 @@ the wall time of back-to-back calls.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -30,9 +31,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_cache import write_kv, write_kv_reference
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention_tiling import BlockSizes
 
 BF16 = jnp.bfloat16
 HEADS = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # (H, K), D = 128
+BLOCK_SIZES_FIELDS = {f.name for f in dataclasses.fields(BlockSizes)}
 
 
 def timeit(fn, *args, reps=15, inner=5):
@@ -58,7 +61,7 @@ def device_times(fn, *args, reps=20) -> dict | None:
     import shutil
     import tempfile
 
-    from scripts.profile_engine import device_pids, load_trace, union_length
+    from scripts.device_trace import device_pids, load_trace, union_length
 
     jax.block_until_ready(fn(*args))
     trace_dir = tempfile.mkdtemp(prefix="jprefix-kernel-trace-")
@@ -95,8 +98,8 @@ def measure(fn, *args) -> dict:
     dev = device_times(fn, *args, reps=10)
     if dev is None:
         return {"seconds": wall, "wall_seconds": wall, "time_source": "wall"}
-    # busy time leaves out the ~1 us gaps between an op's own kernels (a cascade call has
-    # 4-6 kernels, a plain one 2-4); span_seconds, first kernel to last over the calls,
+    # busy time leaves out the gaps between an op's own kernels (a cascade call has more
+    # kernels than a plain one); span_seconds, first kernel to last over the calls,
     # includes them and any host-bound idle between calls
     return {"seconds": dev["busy_us"] * 1e-6, "wall_seconds": wall,
             "device_seconds": dev["busy_us"] * 1e-6, "span_seconds": dev["span_us"] * 1e-6,
@@ -164,14 +167,22 @@ def attn_pairs(seqs):
     return sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in seqs)
 
 
+def attention_fn(scale, interpret, knobs: dict, **fixed):
+    """`paged_attention` with its keyword arguments bound: `knobs` and `fixed` hold
+    `BlockSizes` fields (gathered into `block_sizes`) and the op's own (max_q_len, ...)."""
+    kw = {**fixed, **knobs}
+    block = {k: kw.pop(k) for k in list(kw) if k in BLOCK_SIZES_FIELDS}
+    return functools.partial(paged_attention, scale=scale, interpret=interpret,
+                             block_sizes=BlockSizes(**block), **kw)
+
+
 def tune_ours(case, configs, interpret):
     """Checks the default config against the reference, then times every config."""
     scale = case["q"].shape[-1] ** -0.5
     ref = paged_attention_reference(**case, scale=scale)
     rows = []
     for cfg in configs:
-        fn = jax.jit(functools.partial(paged_attention, scale=scale, interpret=interpret,
-                                       **cfg))
+        fn = jax.jit(attention_fn(scale, interpret, cfg))
         nan = {"seconds": float("nan")}
         try:
             err = rel_err(fn(**case), ref)
@@ -275,7 +286,7 @@ def check_mixed(smoke, results):
         ref = paged_attention_reference(**case, scale=0.1, soft_cap=30.0)
         for knobs in ({}, {"prefetch_pages": True}, {"max_q_len": 1, "kv_splits": 3},
                       {"max_q_len": 1, "single_loop": True, "evict_first": True}):
-            out = paged_attention(**case, scale=0.1, soft_cap=30.0, interpret=smoke, **knobs)
+            out = attention_fn(0.1, smoke, knobs, soft_cap=30.0)(**case)
             rows.append({"heads": heads, "head_dim": d, "block_size": b,
                          "dtype": jnp.dtype(dtype).name, "knobs": knobs,
                          "rel_err": rel_err(out, ref)})

@@ -1,10 +1,10 @@
 """Sweeps `paged_attention`'s tuning knobs on the decode-side shapes that matter (GPU).
 
-Shapes: the two halves of issue 6's cascade decode at 256 x (592 shared + 232 own): the
+Shapes: the two halves of a cascade decode at 256 x (592 shared + 232 own): the
 per-sequence suffix (causal, 232 keys, with LSE; also inside an engine-sized 32-layer
-pool of 8,192 blocks, its blocks spread or packed) and the shared prefix (592 keys, no mask, all 256
-queries in one group, with LSE); issue 3's decode table (Llama-2-7B 32/32
-and Llama-3-8B 32/8 heads, batch 256 and 64, context 2048); issue 3's prefill (8 x 2048);
+pool of 8,192 blocks, its blocks spread or packed) and the shared prefix (592 keys, no
+mask, all 256 queries in one group, with LSE); the kernel table's decode (Llama-2-7B
+32/32 and Llama-3-8B 32/8 heads, batch 256 and 64, context 2048) and prefill (8 x 2048);
 the prefill of one prompt with 596 of its 700 tokens cached (time to first token); and
 prefix-cached prefill (64 x (596 + 104) cached and uncached). `--profile` adds each
 config's device time per call and its attention kernel's own time (jax.profiler). Every
@@ -18,7 +18,6 @@ shape's time and KV bandwidth per config, best first.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import sys
@@ -26,10 +25,10 @@ import time
 
 import jax
 
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from scripts.bench_kernels import device_times, make_case, rel_err, timeit
+from pallas_kernels.paged_attention import paged_attention_reference
+from scripts.bench_kernels import attention_fn, device_times, make_case, rel_err, timeit
 
-DECODE_KNOBS = {  # name -> paged_attention keyword arguments (max_q_len=1 added)
+DECODE_KNOBS = {  # name -> BlockSizes fields (max_q_len=1 added)
     "default": {},
     "no-prefetch": {"prefetch_pages": False},
     "evict": {"evict_first": True},
@@ -66,14 +65,14 @@ PREFILL_KNOBS = {
 POOL_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "kv128/s2", "w2", "evict")}
 SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2", "w2")} | {
     "kv32": {"block_kv": 32}, "kv32/no-mask-kv": {"block_kv": 32, "mask_kv": False},
-    # several KV heads per decode tile (not yet measured on a GPU)
+    # several KV heads per decode tile
     "hp2/kv32": {"heads_per_tile": 2, "block_kv": 32},
     "hp4/kv32/s2": {"heads_per_tile": 4, "block_kv": 32, "num_stages": 2},
     "hp2": {"heads_per_tile": 2}}
 TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
                                 for bq, s in itertools.product((64, 128), (1, 2, 4, 8))} | {
-    # the default's 128-row tile and 4 splits, each program latency-bound (~3 key steps);
-    # 8 warps are its default since the eighth session (w4: the default before)
+    # the default's 128-row tile and 4 splits, each program latency-bound (~3 key steps;
+    # 8 warps by default)
     f"split4/{name}": {"kv_splits": 4, **kw} for name, kw in (
         ("kv32", {"block_kv": 32}), ("kv128", {"block_kv": 128}),
         ("kv128/w4", {"block_kv": 128, "num_warps": 4}), ("w4", {"num_warps": 4}),
@@ -139,8 +138,7 @@ def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps, profile=False):
     ref_o = ref[0] if isinstance(ref, tuple) else ref
     rows = []
     for label, kw in knobs.items():
-        fn = jax.jit(functools.partial(paged_attention, scale=scale, interpret=smoke,
-                                       **fixed, **kw))
+        fn = jax.jit(attention_fn(scale, smoke, kw, **fixed))
         try:
             out = fn(**case)
             out = out[0] if isinstance(out, tuple) else out

@@ -2,10 +2,10 @@
 time, for three formulations of the same function (GPU; runs anywhere).
 
 The attention kernel's key splits leave float32 partials o [S, rows, D], m and denom
-[S, rows]; `combine_splits` merges them (two fusions on the H200 at the time-to-first-
-token step's shape, S = 4, 16,384 rows). Tried here: the shipped reduction over the split
-axis, the splits unrolled into elementwise ops, and one einsum over precomputed weights.
-Each prints its largest difference from the shipped one (bfloat16 outputs).
+[S, rows]; `combine_splits` merges them (S = 4, 16,384 rows at the time-to-first-token
+step's shape). Tried here: the shipped reduction over the split axis, the splits
+unrolled into elementwise ops, and one einsum over precomputed weights. Each prints its
+largest difference from the shipped one (bfloat16 outputs).
 
     PYTHONPATH=$PWD python3 scripts/probes/probe_combine.py
 """
