@@ -115,8 +115,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs once per running sequence per step, so a row is committed inline, without
-        # `_commit`'s calls, and made by tuple.__new__ (NamedTuple's own __new__ is
-        # Python code: 2-3x slower).
+        # `_commit`'s calls, and made by tuple.__new__ (NamedTuple's own __new__ runs
+        # Python code).
         running, block_size, new = SequenceStatus.RUNNING, self.block_size, tuple.__new__
         caching, append = self.config.enable_prefix_caching, out.scheduled.append
         for seq in list(self.running.values()):

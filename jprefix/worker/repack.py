@@ -55,7 +55,7 @@ def _changed_tables(seqs: tuple, last: DecodeStep) -> tuple[list[int], list, np.
     lists = list(map(attrgetter("block_table"), seqs))
     lens = np.fromiter(map(len, lists), np.int64, len(lists))
     changed = lens != last.table_lens
-    if lists != last.table_lists:  # (== compares identities first: ~0.3 us if all same)
+    if lists != last.table_lists:  # (== compares identities first: cheap when all are the same)
         changed |= np.fromiter(map(is_not, lists, last.table_lists), bool, len(lists))
     return np.flatnonzero(changed).tolist(), lists, lens
 
