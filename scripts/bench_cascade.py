@@ -4,7 +4,7 @@ Each sequence holds the shared prefix (`--prefix` tokens, whole blocks, the same
 physical blocks for all) and `--own` tokens of its own; one decode query each. Times the
 plain paged kernel over the full block tables against `cascade_attention` (prefix once
 per group + per-sequence suffix + merge), after checking both against the reference.
-Times are device times per call (bench_kernels.measure: the kernels' busy time in a
+Times are device times per call (kernel_timing.measure: the kernels' busy time in a
 profiler trace); the JSON also has the wall time of back-to-back calls.
 
     PYTHONPATH=$PWD python3 scripts/bench_cascade.py --output-json out.json
@@ -27,7 +27,7 @@ from pallas_kernels.cascade_attention import (
     resolve_prefix_block_sizes,
 )
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from scripts.bench_kernels import measure, rel_err  # (run with PYTHONPATH=$PWD)
+from scripts.kernel_timing import measure, rel_err  # (run with PYTHONPATH=$PWD)
 
 B = 16  # block size
 

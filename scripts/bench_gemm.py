@@ -5,7 +5,7 @@ multiplies M <= 256 rows by each weight matrix; its cost is streaming the weight
 each projection and M this sweeps the kernel's tiling (output columns per program and K
 splits first, then K step, pipeline stages and warps for the best of those), checks each
 against XLA's result, and reports device time per matmul (kernel busy time from a
-profiler trace, bench_kernels.device_times) for XLA and the best tiling, as TB/s of
+profiler trace, kernel_timing.device_times) for XLA and the best tiling, as TB/s of
 weights read and against the 4.3 TB/s copy floor. Each timed call multiplies by
 `copies` distinct weights (>= 256 MB in all), so the L2 cache cannot hold them between
 calls, as in the model where every layer has its own.
@@ -32,7 +32,7 @@ from pallas_kernels.skinny_matmul import (
     skinny_matmul,
     skinny_matmul_reference,
 )
-from scripts.bench_kernels import device_times, guarded, rel_err, timeit
+from scripts.kernel_timing import device_times, guarded, rel_err, timeit
 
 COPY_FLOOR_TBS = 4.3
 # name: (K, N of w, act) for Llama-2-7B (E 4096, F 11008; w_gate holds [gate | up])
@@ -59,7 +59,7 @@ def stage2(best, smoke):
 
 def time_matmul(fn, x, ws, interpret, device=False, calls=20):
     """Seconds per matmul: with `device`, kernel busy time from a profiler trace; else
-    the wall time of `calls` back-to-back calls (`bench_kernels.timeit`: each call's
+    the wall time of `calls` back-to-back calls (`kernel_timing.timeit`: each call's
     kernels outlast its dispatch, so it is close; the sweep uses it because a trace
     costs ~1 s)."""
     dev = device_times(fn, x, ws, reps=5) if device and not interpret else None

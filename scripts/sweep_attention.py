@@ -26,7 +26,7 @@ import time
 import jax
 
 from pallas_kernels.paged_attention import paged_attention_reference
-from scripts.bench_kernels import attention_fn, device_times, make_case, rel_err, timeit
+from scripts.kernel_timing import attention_fn, device_times, make_case, rel_err, timeit
 
 DECODE_KNOBS = {  # name -> BlockSizes fields (max_q_len=1 added)
     "default": {},
