@@ -14,6 +14,14 @@ disjoint key sets:
 
 and the two are merged by log-sum-exp. Rows in no group (before the first group, after
 the last, or in a group with prefix_kv_lens 0) get the suffix attention alone.
+
+ALiBi (`alibi_slopes`, `alibi.py`): the suffix part sees its keys and rows at positions
+shifted down by the prefix length, which leaves `k_pos - q_pos` and so its bias exact.
+The prefix part takes every row at q_pos = prefix length (`paged_attention`'s
+non-causal contract), which leaves its output exact but its lse too high by
+`slope_h * (q_pos - prefix length)`, the row's suffix position: subtracting that makes
+both lse's those of the true logits, so the merge equals ALiBi attention over the
+full table.
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import INT32
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    token_positions,
+)
 from pallas_kernels.paged_attention_tiling import BlockSizes, prefill_kv_splits
 
 # The shared-prefix part: 64-row tiles, its key range split (kv_splits None:
@@ -102,6 +114,7 @@ def cascade_attention(
     max_q_len: int | None = None,
     prefix_block_sizes: BlockSizes = PREFIX_BLOCK_SIZES,
     suffix_block_sizes: BlockSizes = SUFFIX_BLOCK_SIZES,
+    alibi_slopes: jax.Array | None = None,  # [H] float32
 ) -> jax.Array:
     """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
 
@@ -111,13 +124,14 @@ def cascade_attention(
     `suffix_block_sizes` tune the two `paged_attention` calls (the prefix's kv_splits
     None: `resolve_prefix_block_sizes`). `use_reference` runs the same composition on
     `paged_attention_reference` (the XLA path; the knobs are ignored there).
+    `alibi_slopes` as in `paged_attention`, at each row's absolute position.
     """
     _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     groups = _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     suffix = dict(block_tables=suffix_block_tables, kv_lens=suffix_kv_lens,
                   cu_q_lens=cu_q_lens)
     common = dict(q=q, k_cache=k_cache, v_cache=v_cache, layer=layer, scale=scale,
-                  soft_cap=soft_cap, return_lse=True)
+                  soft_cap=soft_cap, return_lse=True, alibi_slopes=alibi_slopes)
     if use_reference:
         o1, lse1 = paged_attention_reference(**groups, causal=False, **common)
         o2, lse2 = paged_attention_reference(**suffix, **common)
@@ -127,6 +141,9 @@ def cascade_attention(
                                    block_sizes=prefix_bs, **common)
         o2, lse2 = paged_attention(**suffix, interpret=interpret, max_q_len=max_q_len,
                                    block_sizes=suffix_block_sizes, **common)
+    if alibi_slopes is not None:  # the prefix part's rows at their true positions
+        suffix_pos = token_positions(cu_q_lens, suffix_kv_lens, q.shape[0])[1]
+        lse1 = lse1 - alibi_slopes[None, :] * suffix_pos[:, None].astype(jnp.float32)
     return merge_attention(o1, lse1, o2, lse2)[0]
 
 
@@ -158,6 +175,7 @@ def cascade_attention_reference(
     *,
     scale: float,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,  # [H] float32
 ) -> jax.Array:
     """The dense check: each sequence's full table (its group's prefix blocks, then its
     own blocks) and plain causal `paged_attention_reference` over it. Returns [T, H, D].
@@ -180,4 +198,4 @@ def cascade_attention_reference(
     tables = jnp.where(j < n_prefix, from_prefix, from_suffix)
     return paged_attention_reference(q, k_cache, v_cache, layer, tables,
                                      prefix_len + suffix_kv_lens, cu_q_lens, scale=scale,
-                                     soft_cap=soft_cap)
+                                     soft_cap=soft_cap, alibi_slopes=alibi_slopes)

@@ -11,6 +11,14 @@ reference also return each row's log-sum-exp of its logits over the keys it atte
 (natural log, float32 [T, H]; -inf for rows that attend to no key), so that partial
 attentions over disjoint key sets can be merged (`cascade_attention.merge_attention`).
 
+With `alibi_slopes` ([H] float32, `alibi.py`) the logit of query head h at q_pos against
+the key at k_pos gains `slope_h * (k_pos - q_pos)`, after the scale and the soft cap,
+before the mask. q_pos is the row's position above; with `causal=False` every row of s
+is taken to sit at q_pos = kv_lens[s], just after its keys (a per-row constant: the
+output is the same for any q_pos, only the lse moves by `slope_h * (kv_len - q_pos)`,
+which cascade attention adds back for the row's true position). None: no bias, and the
+op is the same program as without the argument.
+
 `paged_attention` runs the Pallas kernel (`paged_attention_kernel.py`) tuned by
 `BlockSizes`; `paged_attention_reference` is the same function in plain jnp (the check,
 and the XLA path). Cache layout: `common.py`.
@@ -23,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.alibi import check_slopes
 from pallas_kernels.common import INT32, check_caches, check_float_dtypes, is_pow2
 from pallas_kernels.paged_attention_kernel import run_kernel
 from pallas_kernels.paged_attention_tiling import (
@@ -78,6 +87,7 @@ def paged_attention(
     causal: bool = True,
     return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
+    alibi_slopes: jax.Array | None = None,  # [H] float32
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a ragged batch against the paged KV cache. Returns [T, H, D], or with
     `return_lse` `(out [T, H, D], lse [T, H] float32)` (module docstring).
@@ -89,6 +99,10 @@ def paged_attention(
     None fields chosen by `resolve_block_sizes`.
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
+    check_slopes(alibi_slopes, q.shape[1])
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: the Pallas kernel has no ALiBi yet; use "
+                         "paged_attention_reference")
     bs = resolve_block_sizes(block_sizes or BlockSizes(), q.shape, k_cache.shape, q.dtype,
                              max_q_len=max_q_len, causal=causal)
     cfg = kernel_config(bs, q.shape, k_cache.shape, decode=max_q_len == 1, scale=scale,
@@ -123,6 +137,7 @@ def mixed_paged_attention(
     scale: float,
     soft_cap: float | None = None,
     interpret: bool = False,
+    alibi_slopes: jax.Array | None = None,  # [H] float32
 ) -> jax.Array:
     """`paged_attention` of a batch whose first `num_decode` sequences have one query
     row each (rows `0:num_decode`), as a step mixing decodes with prefill chunks does:
@@ -137,11 +152,11 @@ def mixed_paged_attention(
     out_decode = paged_attention(  # later sequences: no rows, no keys
         q[:rows], k_cache, v_cache, layer, block_tables, jnp.where(decoding, kv_lens, 0),
         jnp.minimum(cu_q_lens, num_decode), scale=scale, soft_cap=soft_cap,
-        interpret=interpret, max_q_len=1)
+        interpret=interpret, max_q_len=1, alibi_slopes=alibi_slopes)
     out = paged_attention(  # the decode sequences: no rows (0:num_decode is left alone)
         q, k_cache, v_cache, layer, block_tables, jnp.where(decoding, 0, kv_lens),
         jnp.maximum(cu_q_lens, num_decode), scale=scale, soft_cap=soft_cap,
-        interpret=interpret)
+        interpret=interpret, alibi_slopes=alibi_slopes)
     decode_rows = (jnp.arange(rows) < num_decode)[:, None, None]
     return out.at[:rows].set(jnp.where(decode_rows, out_decode, out[:rows]))
 
@@ -158,9 +173,10 @@ def token_positions(cu_q_lens, kv_lens, num_tokens: int):
     return seq, pos, valid
 
 
-def _reference_chunk(q, limit, valid, tables, k_cache, v_cache, layer, scale, soft_cap,
-                     return_lse):
-    """Attention for C tokens, each against keys [0, limit) of its sequence's pages."""
+def _reference_chunk(q, limit, valid, tables, bias_pos=None, *, k_cache, v_cache, layer,
+                     scale, soft_cap, return_lse, alibi_slopes):
+    """Attention for C tokens, each against keys [0, limit) of its sequence's pages;
+    with `alibi_slopes` [H], the ALiBi bias of a token at position `bias_pos`."""
     c, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
     m = tables.shape[1]
@@ -172,6 +188,10 @@ def _reference_chunk(q, limit, valid, tables, k_cache, v_cache, layer, scale, so
                    precision=jax.lax.Precision.HIGHEST) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
+    if alibi_slopes is not None:  # slope_h * (k_pos - q_pos), the difference exact in int32
+        rel = (jnp.arange(m * b, dtype=jnp.int32)[None, :] - bias_pos[:, None])
+        slopes = alibi_slopes.reshape(1, k, h // k, 1)
+        s = s + slopes * rel.astype(jnp.float32)[:, None, None, :]
     visible = (jnp.arange(m * b)[None, :] < limit[:, None]) & valid[:, None]  # [C, M*B]
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
     s_max = jnp.max(s, axis=-1, keepdims=True)
@@ -203,15 +223,17 @@ def paged_attention_reference(
     token_chunk: int | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    alibi_slopes: jax.Array | None = None,  # [H] float32
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain-jnp paged attention with `paged_attention`'s semantics (also the CPU path).
 
     Each token gathers its sequence's pages straight from the multi-layer cache (no
     layer copy) and runs a masked float32 softmax. Tokens go `token_chunk` at a time
     (default: about 16M gathered elements per chunk) so memory stays bounded.
-    `causal` and `return_lse` as in `paged_attention`.
+    `causal`, `return_lse` and `alibi_slopes` as in `paged_attention`.
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
+    check_slopes(alibi_slopes, q.shape[1])
     t, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
     m = block_tables.shape[1]
@@ -222,12 +244,14 @@ def paged_attention_reference(
     c = min(t, token_chunk)
     chunk = functools.partial(_reference_chunk, k_cache=k_cache, v_cache=v_cache,
                               layer=layer, scale=scale, soft_cap=soft_cap,
-                              return_lse=return_lse)
-    tables = block_tables[seq]
+                              return_lse=return_lse, alibi_slopes=alibi_slopes)
+    args = (q, limit, valid, block_tables[seq])
+    if alibi_slopes is not None:  # ALiBi's q_pos (module docstring)
+        args += (pos if causal else kv_lens[seq],)
     if c == t:
-        return chunk(q, limit, valid, tables)
+        return chunk(*args)
     pad = -t % c
-    xs = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, limit, valid, tables)]
+    xs = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in args]
     xs = [x.reshape(-1, c, *x.shape[1:]) for x in xs]
     out = jax.lax.map(lambda a: chunk(*a), xs)
     if return_lse:

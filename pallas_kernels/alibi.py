@@ -1,0 +1,51 @@
+"""ALiBi (attention with linear biases): the per-head slopes and the bias contract.
+
+With slopes, every attention op here adds `slope_h * (k_pos - q_pos)` to the scaled (and
+soft-capped) logit of query head h at absolute position q_pos against the key at cache
+position k_pos, before the causal mask and the softmax. The bias depends only on
+positions, so prefill with a cached prefix and without it compute the same logits.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def _pow2_slopes(n: int) -> list[float]:
+    """The ALiBi paper's slopes for a power-of-2 head count n: the geometric sequence
+    2^(-8/n), 2^(-16/n), ..., 2^(-8)."""
+    return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slope of each query head, float32 [num_heads].
+
+    A power-of-2 head count takes `_pow2_slopes`. Otherwise (Baichuan2-13B's 40 heads)
+    the heads take the slopes of the closest lower power of 2, p, then the first
+    num_heads - p of every other slope (the 1st, 3rd, ...) of 2p heads, as the ALiBi
+    paper and Baichuan2's modeling file define them. Computed in float64, then rounded.
+    Raises ValueError for a head count < 1.
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) \
+            or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    n = int(num_heads)
+    p = 1 << (n.bit_length() - 1)  # the largest power of 2 <= n
+    slopes = _pow2_slopes(p)
+    if p != n:
+        slopes += _pow2_slopes(2 * p)[0::2][: n - p]
+    return np.asarray(slopes, np.float32)
+
+
+def check_slopes(alibi_slopes, num_heads: int) -> None:
+    """Raises ValueError unless `alibi_slopes` is None or a float32 [num_heads] array
+    (one slope per query head of this call's q: a tensor-parallel shard passes its
+    heads' slopes)."""
+    if alibi_slopes is None:
+        return
+    shape, dtype = tuple(jnp.shape(alibi_slopes)), jnp.result_type(alibi_slopes)
+    if shape != (num_heads,) or dtype != jnp.float32:
+        raise ValueError(f"alibi_slopes must be float32 [{num_heads}] (one per query head), "
+                         f"got {dtype}{list(shape)}")
+

@@ -1,0 +1,184 @@
+"""ALiBi in every attention op == a dense float64 reference with the bias
+`slope_h * (k_pos - q_pos)` on causal scores.
+
+Covers the slopes (power-of-2 and Baichuan2-13B's 40 heads), the jnp reference and
+cascade's reference path, and the Pallas kernels (interpret mode on CPU: outputs start as
+NaN, so "no NaN" proves every row was written) over decode, prefill, prefix-cached and
+mixed batches, key splits and cascade groups.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
+from test_paged_attention import MIXED, make_batch, rel_err
+
+from pallas_kernels.alibi import alibi_slopes
+from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
+from pallas_kernels.paged_attention import paged_attention_reference
+
+SCALE = 0.3
+# (heads, kv_heads): Baichuan2-13B's 40 heads (MHA, and GQA groups of 5 padded to 8),
+# power-of-2 head counts with GQA groups of 4 and 1
+HEADS = [(40, 40), (40, 8), (8, 2), (4, 4)]
+DECODE = [(1, 37), (1, 1), (1, 8), (1, 9), (0, 0)]
+PREFILL = [(6, 6), (1, 1), (13, 13)]
+CACHED = [(6, 30), (2, 17), (13, 14), (4, 18)]  # prefix cached: part, most, almost all
+
+
+def dense_alibi(batch, slopes, *, scale=SCALE, soft_cap=None, causal=True):
+    """Independent check (float64): per sequence and row, out [T, H, D] and lse [T, H]
+    of attention with bias slope_h * (k_pos - q_pos); q_pos = kv_len - q_len + i if
+    causal, else kv_len (the non-causal contract). Rows seeing no key: 0 and -inf."""
+    q = np.asarray(batch["q"], np.float64)
+    kc = np.asarray(batch["k_cache"], np.float64)[int(batch["layer"])]
+    vc = np.asarray(batch["v_cache"], np.float64)[int(batch["layer"])]
+    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
+    slopes = np.asarray(slopes, np.float64)
+    out, lse = np.zeros_like(q), np.full(q.shape[:2], -np.inf)
+    group = q.shape[1] // kc.shape[0]
+    for s, kv_len in enumerate(kv_lens):
+        pages = np.asarray(batch["block_tables"])[s]
+        keys = np.repeat(kc[:, pages].reshape(kc.shape[0], -1, kc.shape[-1]), group, 0)
+        vals = np.repeat(vc[:, pages].reshape(vc.shape[0], -1, vc.shape[-1]), group, 0)
+        q_len = cu[s + 1] - cu[s]
+        for i, t in enumerate(range(cu[s], cu[s + 1])):
+            q_pos = kv_len - q_len + i if causal else kv_len
+            n = q_pos + 1 if causal else kv_len
+            if n <= 0:
+                continue
+            x = np.einsum("hd,hjd->hj", q[t], keys[:, :n]) * scale
+            if soft_cap is not None:
+                x = soft_cap * np.tanh(x / soft_cap)
+            x = x + slopes[:, None] * (np.arange(n) - q_pos)[None, :]
+            x_max = x.max(-1, keepdims=True)
+            lse[t] = np.log(np.exp(x - x_max).sum(-1)) + x_max[:, 0]
+            out[t] = np.einsum("hj,hjd->hd", np.exp(x - lse[t][:, None]), vals[:, :n])
+    return out, lse
+
+
+def alibi_batch(seed, seqs, heads, kv_heads, dtype=jnp.float32, **kw):
+    batch = make_batch(np.random.default_rng(seed), seqs, heads=heads, kv_heads=kv_heads,
+                       head_dim=32, dtype=dtype, **kw)
+    return batch, jnp.asarray(alibi_slopes(heads))
+
+
+# -- slopes -------------------------------------------------------------------------------
+
+def test_power_of_2_slopes_are_the_geometric_sequence():
+    np.testing.assert_array_equal(alibi_slopes(8), 0.5 ** np.arange(1, 9, dtype=np.float32))
+    np.testing.assert_allclose(alibi_slopes(32), 2.0 ** (-np.arange(1, 33) / 4), rtol=1e-7)
+    assert alibi_slopes(1).tolist() == [2.0 ** -8]
+    assert alibi_slopes(4).dtype == np.float32
+
+
+def test_40_heads_take_32_heads_slopes_then_every_other_of_64():
+    slopes = alibi_slopes(40)
+    assert slopes.shape == (40,) and slopes.dtype == np.float32
+    np.testing.assert_array_equal(slopes[:32], alibi_slopes(32))
+    np.testing.assert_array_equal(slopes[32:], alibi_slopes(64)[0:16:2])
+    np.testing.assert_allclose(slopes[32:], 2.0 ** (-np.arange(1, 16, 2) / 8), rtol=1e-7)
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 12, 20, 40, 52])
+def test_other_head_counts_follow_the_interleave_rule(n):
+    p = 1 << (n.bit_length() - 1)
+    want = list(alibi_slopes(p)) + list(alibi_slopes(2 * p)[0::2][: n - p])
+    np.testing.assert_array_equal(alibi_slopes(n), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_bad_head_count_raises_value_error(bad):
+    with pytest.raises(ValueError, match="num_heads"):
+        alibi_slopes(bad)
+
+
+# -- reference paths ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("seqs", [MIXED, DECODE, PREFILL, CACHED])
+def test_reference_matches_dense_alibi(seqs, heads, kv_heads, soft_cap):
+    batch, slopes = alibi_batch(len(seqs) + heads, seqs, heads, kv_heads)
+    out, lse = paged_attention_reference(**batch, scale=SCALE, soft_cap=soft_cap,
+                                         alibi_slopes=slopes, return_lse=True)
+    want, want_lse = dense_alibi(batch, slopes, soft_cap=soft_cap)
+    assert rel_err(out, want) < 1e-5
+    finite = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    # the bias matters: without it the output is far from the ALiBi truth
+    assert rel_err(paged_attention_reference(**batch, scale=SCALE, soft_cap=soft_cap), want) \
+        > 1e-2
+
+
+def test_reference_non_causal_rows_sit_after_their_keys():
+    batch, slopes = alibi_batch(5, MIXED, 8, 2)
+    out, lse = paged_attention_reference(**batch, scale=SCALE, alibi_slopes=slopes,
+                                         causal=False, return_lse=True)
+    want, want_lse = dense_alibi(batch, slopes, causal=False)
+    assert rel_err(out, want) < 1e-5
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_reference_token_chunks_agree_with_alibi():
+    batch, slopes = alibi_batch(1, MIXED, 40, 8)
+    whole = paged_attention_reference(**batch, scale=SCALE, alibi_slopes=slopes)
+    chunked = paged_attention_reference(**batch, scale=SCALE, alibi_slopes=slopes,
+                                        token_chunk=4)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+def cached_and_uncached(seed, kv_len, q_len, heads, kv_heads, dtype=jnp.float32):
+    """One prompt of kv_len tokens prefilled whole, and its last q_len tokens prefilled
+    against the cached rest (same cache, same pages). Returns (whole, cached) batches."""
+    whole, slopes = alibi_batch(seed, [(kv_len, kv_len)], heads, kv_heads, dtype,
+                                extra_rows=0)
+    cached = dict(whole, q=whole["q"][kv_len - q_len:],
+                  cu_q_lens=jnp.asarray([0, q_len], jnp.int32))
+    return whole, cached, slopes
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(40, 40), (8, 2)])
+def test_reference_cached_prefix_equals_uncached_prefill(heads, kv_heads):
+    whole, cached, slopes = cached_and_uncached(9, 45, 7, heads, kv_heads)
+    full = paged_attention_reference(**whole, scale=SCALE, alibi_slopes=slopes)
+    part = paged_attention_reference(**cached, scale=SCALE, alibi_slopes=slopes)
+    np.testing.assert_allclose(part, full[-7:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("q_len", [1, 6])
+@pytest.mark.parametrize("heads,kv_heads", [(40, 40), (40, 8), (8, 2)])
+def test_cascade_reference_paths_match_dense_alibi(heads, kv_heads, q_len):
+    batch, cascade = make_cascade_batch(np.random.default_rng(heads + q_len), GROUPS, LONERS,
+                                        q_len=q_len, heads=heads, kv_heads=kv_heads)
+    slopes = jnp.asarray(alibi_slopes(heads))
+    want = dense_alibi(batch, slopes)[0]
+    composed = cascade_attention(**cascade, scale=SCALE, use_reference=True,
+                                 alibi_slopes=slopes)
+    dense = cascade_attention_reference(**cascade, scale=SCALE, alibi_slopes=slopes)
+    plain = paged_attention_reference(**batch, scale=SCALE, alibi_slopes=slopes)
+    for got in (composed, dense, plain):
+        assert rel_err(got, want) < 1e-5
+    np.testing.assert_allclose(composed, plain, rtol=1e-4, atol=1e-5)
+
+
+# -- validation ---------------------------------------------------------------------------
+
+BAD_SLOPES = {
+    "length": jnp.ones((7,), jnp.float32),
+    "rank": jnp.ones((1, 8), jnp.float32),
+    "dtype": jnp.ones((8,), jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_SLOPES))
+def test_bad_slopes_raise_value_error(bad):
+    batch, _ = alibi_batch(0, [(2, 5)], 8, 2)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        paged_attention_reference(**batch, scale=SCALE, alibi_slopes=BAD_SLOPES[bad])
+    _, cascade = make_cascade_batch(np.random.default_rng(0), [(1, [2])], [3], heads=8)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        cascade_attention(**cascade, scale=SCALE, use_reference=True,
+                          alibi_slopes=BAD_SLOPES[bad])
