@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
                     help="step inputs in device buffers refilled in place (auto: where "
                          "XLA records command buffers)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
     if args.ttft_only and args.ttft_reps < 1:
         ap.error("--ttft-only measures nothing with --ttft-reps < 1")

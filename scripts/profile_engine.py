@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="comma-separated; each a '+'-joined subset of async, cascade")
     ap.add_argument("--keep-traces", default=None, help="folder for the Perfetto files")
     ap.add_argument("--output-json", default=None)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--prefill-steps", type=int, default=5,
                     help="traced first steps of the throughput workload (its prefill)")

@@ -52,15 +52,22 @@ def test_completion_matches_dense_greedy_and_reports_usage(client, tiny):
                                            eos_token_ids=())
 
 
-def test_streamed_completion_sends_chunks_then_usage_and_done(client):
+@pytest.mark.parametrize("include_usage", [True, False, None])
+def test_streamed_completion_sends_chunks_then_usage_if_asked_and_done(client, include_usage):
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    if include_usage is not None:
+        body["stream_options"] = {"include_usage": include_usage}
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         events = _events(r)
     finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
-    assert events[-1]["usage"]["completion_tokens"] == 5
+    if include_usage:  # OpenAI's contract: one last chunk with usage and no choices
+        assert events[-1]["usage"]["completion_tokens"] == 5 and events[-1]["choices"] == []
+        assert all(e["usage"] is None for e in events[:-1])
+    else:
+        assert all("usage" not in e for e in events)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +80,12 @@ def test_streamed_completion_sends_chunks_then_usage_and_done(client):
         ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ({"prompt": PROMPT, "max_tokens": 10**6}, "exceeds the model context"),
         ({"prompt": PROMPT, "prefix_pos": 99}, "prefix_len 99"),
-        ({"prompt": PROMPT, "n": 2}, "n 2"),
+        ({"prompt": PROMPT, "n": 2}, "n 2 is not supported"),
+        ({"prompt": PROMPT, "stop": [""]}, "stop"),
+        ({"prompt": PROMPT, "stop_options": {}}, "stop_options is not a field"),
+        ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream: true"),
+        ({"prompt": {"a": 1}}, "prompt: must be a string or a list of token ids"),
+        ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens: input should be"),
         ({"prompt": "text", "max_tokens": 2}, "tokenizer"),
         ({"max_tokens": 2}, "prompt"),
         ({"prompt": PROMPT, "stream": True, "top_k": 0}, "top_k"),
@@ -82,7 +94,9 @@ def test_streamed_completion_sends_chunks_then_usage_and_done(client):
 def test_bad_requests_get_400_naming_the_value(client, body, match):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
-    assert match in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert match in error["message"] and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
     ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200  # the engine carries on
 

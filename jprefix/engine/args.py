@@ -3,14 +3,54 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+_CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def resolve_dtype(dtype: Any, model: Any = None) -> Any:
+    """The concrete dtype "auto" stands for, any other value unchanged (the loader parses it).
+
+    "auto": float32 when jax computes on the CPU (bf16 there converts every KV write and
+    matmul, which makes it many times slower than float32); on an accelerator the
+    checkpoint's own `torch_dtype` when `model` is a Hugging Face directory that names a
+    float dtype, else bfloat16. Reading the backend initialises jax: call it after the XLA
+    flags are set (`worker.xla_flags.apply`).
+    """
+    if not (isinstance(dtype, str) and dtype.lower() == "auto"):
+        return dtype
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return "float32"
+    return _checkpoint_dtype(model) or "bfloat16"
+
+
+def _checkpoint_dtype(model: Any) -> str | None:
+    """The float dtype a checkpoint directory's config.json names (torch_dtype or dtype)."""
+    if not isinstance(model, str | os.PathLike):
+        return None
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None  # the loader reports a broken config with its own message
+    named = raw.get("torch_dtype") or raw.get("dtype")
+    return _CHECKPOINT_DTYPES.get(str(named).removeprefix("torch."))
 
 
 @dataclasses.dataclass
 class EngineArgs:
     """Engine knobs, named as vLLM names them. `dtype` and `load_format` apply when the
-    engine loads its model by name (`models.loader.load`)."""
+    engine loads its model by name (`models.loader.load`); `dtype="auto"` is resolved by
+    `resolve_dtype`. `max_model_len` (None: the model's own) must fit in the KV cache."""
 
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     load_format: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization

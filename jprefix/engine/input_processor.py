@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -78,17 +79,57 @@ def is_token_list(prompt: Any) -> bool:
     return isinstance(prompt, Seq) and not isinstance(prompt, str)
 
 
+def check_text(text: str, what: str) -> str:
+    """Rejects text that UTF-8 cannot encode (a lone surrogate, which JSON's \\ud800
+    escapes can carry): no tokenizer can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {text[e.start]!r} at character "
+                         f"{e.start} is a lone surrogate") from None
+    return text
+
+
+# stands in for message i's content while the template renders (private-use characters:
+# no template or tokenizer gives them a meaning); the spaces around it show whether the
+# template trims the content
+_MARK = re.compile("( ?)\ue000jprefix-(\\d+)\ue001( ?)")
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, str]],
                 add_generation_prompt: bool = True) -> list[int]:
     """The token ids of `messages` ({"role", "content"} dicts) under the tokenizer's chat
-    template, ending with the assistant's turn opened if `add_generation_prompt`."""
+    template, ending with the assistant's turn opened if `add_generation_prompt`.
+
+    The template's own markup is tokenised with its special tokens; each message's
+    content as plain text (`split_special_tokens`), so a `<|im_start|>` typed by a user
+    stays text and cannot open a forged turn."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: send a plain prompt instead")
     if not messages:
         raise ValueError("messages is empty")
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        check_text(m["content"], f"messages[{i}].content")
+    marked = [dict(m, content=f" \ue000jprefix-{i}\ue001 ") for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(marked, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    ids, pos = [], 0
+    for mark in _MARK.finditer(text):
+        ids += _tokens(tokenizer, text[pos:mark.start()], plain=False)
+        content = messages[int(mark.group(2))]["content"]
+        content = content if mark.group(1) else content.lstrip()
+        content = content if mark.group(3) else content.rstrip()
+        ids += _tokens(tokenizer, content, plain=True)
+        pos = mark.end()
+    return ids + _tokens(tokenizer, text[pos:], plain=False)
+
+
+def _tokens(tokenizer: Any, text: str, plain: bool) -> list[int]:
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=plain).input_ids
 
 
 class InputProcessor:
@@ -110,6 +151,7 @@ class InputProcessor:
             raise ValueError(f"prompt {prompt!r} must be a string or a list of token ids")
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
+        check_text(prompt, "prompt")
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids")
         return self.tokenizer(prompt, add_special_tokens=True).input_ids

@@ -22,7 +22,7 @@ from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
-from jprefix.engine.args import EngineArgs
+from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.worker import xla_flags
@@ -50,7 +50,7 @@ def build_runner(model: LoadedModel | str, args: EngineArgs) -> tuple[LoadedMode
     cfg = model_config(model, args.load_format) if owned else model.config
     mesh = make_mesh(cfg, args.tensor_parallel_size)
     if owned:
-        model = load(model, args.dtype, args.load_format, mesh=mesh)
+        model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
     runner = ModelRunner(
         model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
         backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),
@@ -61,6 +61,35 @@ def build_runner(model: LoadedModel | str, args: EngineArgs) -> tuple[LoadedMode
     if owned:
         model = dataclasses.replace(model, params=runner.params)
     return model, runner
+
+
+def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
+    """The context length requests are validated against: one sequence of that many
+    tokens always fits in the KV cache alone (block 0 is the null block), so a request the
+    engine accepts can always finish, preempting others as needed.
+
+    An explicit `max_model_len` must fit the model and the cache (else ValueError). Without
+    one: the model's length, capped to the cache when the user sized the cache
+    (`num_kv_blocks`); a cache sized from memory that cannot hold the model's length is
+    refused, naming what to change."""
+    capacity = (num_blocks - 1) * args.block_size
+    cache = (f"the KV cache ({num_blocks - 1} blocks of {args.block_size} tokens = "
+             f"{capacity} tokens)")
+    if args.max_model_len is not None:
+        if not 1 <= args.max_model_len <= model_max:
+            raise ValueError(f"max_model_len {args.max_model_len} is outside [1, {model_max}], "
+                             "the model's context length")
+        if args.max_model_len > capacity:
+            raise ValueError(f"max_model_len {args.max_model_len} does not fit in {cache}: "
+                             "lower max_model_len or raise num_kv_blocks / gpu_memory_utilization")
+        return args.max_model_len
+    if capacity >= model_max:
+        return model_max
+    if args.num_kv_blocks is not None:
+        return capacity
+    raise ValueError(f"the model's context of {model_max} tokens does not fit in {cache}: set "
+                     f"max_model_len <= {capacity}, or raise gpu_memory_utilization "
+                     "(or num_kv_blocks)")
 
 
 class LLMEngine:
@@ -76,8 +105,8 @@ class LLMEngine:
             model, runner = build_runner(model, self.args)
         self.model, self.runner = model, runner
         cfg = model.config
-        self.max_model_len = min(self.args.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
+                                               runner.num_blocks)
         self.scheduler = self._make_scheduler(runner.num_blocks)
         self.inputs = InputProcessor(model.tokenizer, model.name, cfg.vocab_size,
                                      self.max_model_len, self.args.seed)

@@ -13,6 +13,10 @@ DEFAULT_SYSTEM = (
     "say so and suggest contacting a human agent. Our store sells books, music and games, "
     "ships worldwide within five business days, and accepts returns within thirty days."
 )
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = "auto: float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator"
+# (openai_server imports fastapi, which `jprefix generate` does not need)
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "How long does shipping to Japan take?",
@@ -26,7 +30,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts that share a system prompt")
     gen.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     gen.add_argument("--system", default=None, help="system prompt text")
     gen.add_argument("--system-file", type=Path, default=None)
     gen.add_argument("--prompt", action="append", default=[], help="a user prompt (repeatable)")
@@ -41,11 +45,23 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
-    srv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    srv.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     srv.add_argument("--load-format", default="auto")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the name requests' `model` must carry (default: --model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require Authorization: Bearer <key> (default: $JPREFIX_API_KEY)")
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="larger request bodies get HTTP 413")
     srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="context length (default: the model's, capped to the KV cache)")
+    srv.add_argument("--num-kv-blocks", type=int, default=None)
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=True)
     srv.add_argument("--tensor-parallel-size", type=int, default=1)
     srv.add_argument("--max-num-seqs", type=int, default=256)
     srv.add_argument("--policy", default="fcfs")
@@ -58,8 +74,12 @@ def run_serve(args) -> int:
 
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
               load_format=args.load_format, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, policy=args.policy)
-    serve(llm, args.host, args.port)
+              max_num_seqs=args.max_num_seqs, policy=args.policy,
+              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=args.enable_prefix_caching)
+    serve(llm, args.host, args.port, model_name=args.served_model_name or args.model,
+          api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,7 +11,8 @@ from tqdm.auto import tqdm
 
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.sampling_params import SamplingParams
-from jprefix.engine.args import EngineArgs
+from jprefix.core.sequence import Sequence
+from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.input_processor import as_prompt_list, broadcast
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.entrypoints.async_driver import AsyncDriver
@@ -23,13 +25,15 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)} - {
     "tensor_parallel_size", "dtype", "load_format"}
 
 
-def load(model: str = loader.DEFAULT_MODEL, dtype: str = "bfloat16", load_format: str = "auto",
+def load(model: str = loader.DEFAULT_MODEL, dtype: str = "auto", load_format: str = "auto",
          **kwargs: Any) -> LoadedModel:
     """`models.loader.load` (a preset name, an HF directory, a .gguf file or a hub id),
     after setting the XLA flags the engine runs with (`jprefix.worker.xla_flags`: they
-    must be set before jax initialises its backend, which loading does)."""
+    must be set before jax initialises its backend, which loading does). `dtype="auto"`:
+    float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator
+    (`engine.args.resolve_dtype`, which the engine uses too)."""
     xla_flags.apply()
-    return loader.load(model, dtype, load_format, **kwargs)
+    return loader.load(model, resolve_dtype(dtype, model), load_format, **kwargs)
 
 
 class LLM:
@@ -44,7 +48,7 @@ class LLM:
         self,
         model: str | LoadedModel = "smollm2-135m",
         tensor_parallel_size: int = 1,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         load_format: str = "auto",
         **engine_kwargs: Any,
     ):
@@ -112,10 +116,27 @@ class LLM:
         cache_salt: str | None = None,
     ) -> RequestOutput:
         """Generates for one prompt while other requests run; cancel to abort it.
-        Requests with different `cache_salt`s never share cached blocks."""
-        seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id,
-                                        cache_salt)
+        Requests with different `cache_salt`s never share cached blocks. The prompt is
+        tokenised in a worker thread, so a long one does not stall the event loop."""
+        seq = await self.make_sequence_async(prompt, sampling_params, prefix_pos, request_id,
+                                             cache_salt)
+        return await self.generate_sequence(seq)
+
+    async def make_sequence_async(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                                  prefix_pos: int | None = None, request_id: str | None = None,
+                                  cache_salt: str | None = None) -> Sequence:
+        """Validates and tokenises one request (ValueError naming a bad value) in a worker
+        thread; nothing is scheduled until `generate_sequence` or `stream_sequence`."""
+        return await asyncio.to_thread(self.engine.make_sequence, prompt, sampling_params,
+                                       prefix_pos, request_id, cache_salt)
+
+    async def generate_sequence(self, seq: Sequence) -> RequestOutput:
+        """Runs a validated sequence to its finished output; cancelling aborts it."""
         return await self._driver.submit(seq)
+
+    def stream_sequence(self, seq: Sequence) -> AsyncIterator[list[int] | RequestOutput]:
+        """`stream_async` for a sequence already validated (`make_sequence_async`)."""
+        return self._driver.stream(seq)
 
     def stream_async(
         self,

@@ -1,123 +1,99 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models.
 
-Bad requests get HTTP 400 with the offending value named, and the engine keeps serving
-everyone else. `prefix_pos` (the shareable prompt prefix) and `cache_salt` are accepted as
-extensions; usage reports `prompt_tokens_details.cached_tokens` as OpenAI does.
+Every error is OpenAI's error JSON (`protocol.error_response`) with a message naming the
+bad value; the engine keeps serving everyone else. A request body over `max_request_bytes`
+is refused before it is read whole; with an API key every route but /health needs
+`Authorization: Bearer <key>`. Requests are tokenised off the event loop, so /health and
+other requests stay responsive while a long prompt is processed. `prefix_pos` (the
+shareable prompt prefix) and `cache_salt` are accepted as extensions; usage reports
+`prompt_tokens_details.cached_tokens` as OpenAI does.
 
     jprefix serve --model smollm2-135m --port 8000
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
+import hmac
+import os
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
-from jprefix.core.outputs import RequestOutput
-from jprefix.core.sampling_params import SamplingParams
-from jprefix.engine.detokenizer import IncrementalDetokenizer
-from jprefix.engine.input_processor import render_chat
 from jprefix.entrypoints.llm import LLM
+from jprefix.entrypoints.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    error_response,
+    validation_message,
+)
+from jprefix.entrypoints.serving import serve_request
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # (= cli.py's): a 128k-token prompt
+API_KEY_ENV = "JPREFIX_API_KEY"
+_OPEN_PATHS = frozenset({"/health"})
 
 
-class _Sampling(BaseModel):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    n: int = 1
-    prefix_pos: int | None = None
-    cache_salt: str | None = None
+class RequestGate:
+    """ASGI middleware in front of every route: the API key (constant-time compare) and
+    the body-size bound, checked on Content-Length and again on the bytes received (a
+    chunked body has no length), both answered in OpenAI's error JSON."""
 
-    def sampling_params(self) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError(f"n {self.n} is not supported: only n = 1")
-        return SamplingParams(  # (normalises the stop lists: a string, a list or None)
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=16 if self.max_tokens is None else self.max_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, seed=self.seed,
-            ignore_eos=self.ignore_eos,
-        )
+    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int):
+        self.app, self.max_bytes = app, max_request_bytes
+        self.key = f"Bearer {api_key}".encode() if api_key else None
 
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", ()))
+        if self.key is not None and scope.get("path") not in _OPEN_PATHS and not \
+                hmac.compare_digest(headers.get(b"authorization", b""), self.key):
+            return await self._refuse(scope, receive, send, 401, "invalid or missing API key: "
+                                      "send the header Authorization: Bearer <key>",
+                                      "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        received = 0
 
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+        async def bounded_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # (the route's error handler answers it)
+                raise HTTPException(413, self._too_large_message())
+            return message
 
+        await self.app(scope, bounded_receive, send)
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str
+    def _too_large_message(self) -> str:
+        return (f"the request body is larger than {self.max_bytes} bytes (the server's "
+                "--max-request-bytes)")
 
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        await self._refuse(scope, receive, send, 413, self._too_large_message(),
+                           "request_too_large")
 
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": "invalid_request_error", "code": status}})
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    @staticmethod
+    async def _refuse(scope, receive, send, status, message, code, headers=None) -> None:
+        await error_response(status, message, None, code, headers)(scope, receive, send)
 
 
-def _sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-class _TextStream:
-    """Turns token ids into text deltas, holding back text that may end in a stop string."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]):
-        self.detokenizer, self.sent = IncrementalDetokenizer(tokenizer), ""
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def push(self, ids: list[int]) -> str:
-        self.detokenizer.push(ids)
-        text = self.detokenizer.text
-        return self._emit(text[: len(text) - self.hold])
-
-    def finish(self, final_text: str) -> str:
-        return self._emit(final_text)
-
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-
-def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving `llm`."""
+def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving `llm` as `model_name` (default: the model's name): requests
+    naming another model get 404. `api_key` (default: $JPREFIX_API_KEY) guards every route
+    but /health."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="jprefix")
     name = model_name or llm.engine.model.name
-
-    @app.exception_handler(ValueError)
-    async def _bad_value(_request, exc: ValueError):
-        return _error(400, str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_request, exc: RequestValidationError):
-        return _error(400, "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    app.add_middleware(RequestGate, api_key=api_key or os.environ.get(API_KEY_ENV) or None,
+                       max_request_bytes=max_request_bytes)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -125,7 +101,8 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "jprefix"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "jprefix",
+                                            "max_model_len": llm.engine.max_model_len}]}
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
@@ -134,71 +111,53 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
                 and isinstance(getattr(s, k), int | float)}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await _serve(llm, name, req, req.prompt, chat=False)
+    async def completions(req: CompletionRequest, request: Request):
+        _check_model(req.model, name)
+        return await serve_request(llm, name, req, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
-        if req.max_completion_tokens is not None:
-            req.max_tokens = req.max_completion_tokens
-        return await _serve(llm, name, req, _chat_prompt(llm, req.messages), chat=True)
+    async def chat(req: ChatRequest, request: Request):
+        _check_model(req.model, name)
+        return await serve_request(llm, name, req, request)
 
     return app
 
 
-def _chat_prompt(llm: LLM, messages: list[ChatMessage]) -> list[int]:
-    return render_chat(llm.tokenizer, [m.model_dump() for m in messages])
+def _check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise RequestError(f"the model {requested!r} does not exist: this server serves "
+                           f"{served!r}", "model", 404, "model_not_found")
 
 
-async def _serve(llm: LLM, name: str, req: _Sampling, prompt: Any, chat: bool):
-    sp = req.sampling_params()
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    if req.stream:  # validated here, before the 200 of the stream is sent
-        items = llm.stream_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
-        events = _stream_events(llm, name, rid, items, sp, chat)
-        return StreamingResponse(events, media_type="text/event-stream")
-    out = await llm.generate_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
-    return _response(name, out, chat)
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def _request_error(_request, exc: RequestError):
+        return error_response(exc.status, str(exc), exc.param, exc.code)
 
+    @app.exception_handler(ValueError)
+    async def _bad_value(_request, exc: ValueError):
+        return error_response(400, str(exc))
 
-def _response(name: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": out.text}
-    else:
-        choice["text"] = out.text
-        choice["token_ids"] = out.token_ids  # extension: useful without a tokenizer
-    return {"id": out.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": name, "choices": [choice],
-            "usage": _usage(out)}
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_request, exc: RequestValidationError):
+        found = [validation_message(e) for e in exc.errors()]
+        return error_response(400, "; ".join(m for m, _ in found), found[0][1] if found else None)
 
-
-async def _stream_events(llm: LLM, name: str, rid: str, items: AsyncIterator,
-                         sp: SamplingParams, chat: bool) -> AsyncIterator[str]:
-    text = _TextStream(llm.tokenizer, sp.stop)
-    head = {"id": rid, "object": "chat.completion.chunk" if chat else
-            "text_completion", "created": int(time.time()), "model": name}
-
-    def chunk(delta: str, finish: str | None = None, first: bool = False) -> str:
-        if chat:
-            body = {"content": delta} | ({"role": "assistant"} if first else {})
-            choice = {"index": 0, "delta": body, "finish_reason": finish}
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}: see /v1/models, /v1/completions, " \
+                      "/v1/chat/completions, /health"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-        return _sse(head | {"choices": [choice]})
-
-    yield chunk("", first=True)
-    async for item in items:
-        if isinstance(item, RequestOutput):
-            yield chunk(text.finish(item.text), item.finish_reason)
-            yield _sse(head | {"choices": [], "usage": _usage(item)})
-        elif delta := text.push(item):
-            yield chunk(delta)
-    yield _sse("[DONE]")
+            message = str(exc.detail)
+        code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(exc.status_code, message, None, code, exc.headers)
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Runs the server until interrupted (uvicorn)."""
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **app_kwargs: Any) -> None:
+    """Runs the server until interrupted (uvicorn); `app_kwargs`: build_app's."""
     import uvicorn
 
-    uvicorn.run(build_app(llm), host=host, port=port, log_level="info")
+    uvicorn.run(build_app(llm, **app_kwargs), host=host, port=port, log_level="info")
