@@ -5,18 +5,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "baichuan")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "BaichuanForCausalLM": "baichuan",
 }
 ROPE_TYPES = ("default", "llama3", "linear")
+POSITION_EMBEDDINGS = ("rope", "alibi")
+# Baichuan2's vocabulary; Baichuan2 (unlike Baichuan 1, vocabulary 64,000) has a NormHead
+BAICHUAN2_VOCAB_SIZE = 125696
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (E hidden, F mlp, H/K heads, D head dim)."""
+    """Shapes and constants of a Llama-family decoder (E hidden, F mlp, H/K heads, D head dim).
+
+    `position_embedding` "rope" rotates Q and K; "alibi" (Baichuan2-13B) applies no rotation
+    and biases attention logits by `slope_h * (k_pos - q_pos)` instead, with the slopes of
+    `models.alibi.alibi_slopes(num_heads)`. `norm_head` (Baichuan2's NormHead): the logits
+    use lm_head rows L2-normalised over E; `Params.lm_head` holds them normalised (the
+    loaders and init_params normalise once).
+    """
 
     arch: str
     vocab_size: int
@@ -36,6 +47,8 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
+    position_embedding: str = "rope"
+    norm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -45,9 +58,20 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
                 f"{self.num_kv_heads}"
             )
-        if self.head_dim % 2:
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"unknown position_embedding {self.position_embedding!r}; "
+                             f"supported: {POSITION_EMBEDDINGS}")
+        if self.head_dim % 2 and not self.alibi:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.norm_head and self.tie_word_embeddings:
+            raise ValueError("norm_head=True with tie_word_embeddings=True: a NormHead is "
+                             "its own lm_head")
         _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
+
+    @property
+    def alibi(self) -> bool:
+        """True for ALiBi models (no RoPE; linear attention biases)."""
+        return self.position_embedding == "alibi"
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -57,6 +81,8 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build a config from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
         arch = _hf_arch(hf)
+        if arch == "baichuan":
+            return _from_baichuan_config(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
         if hf.get("mlp_bias", False):
@@ -98,6 +124,34 @@ def _hf_arch(hf: dict[str, Any]) -> str:
     if model_type not in ARCHS:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHS}")
     return model_type
+
+
+def _from_baichuan_config(hf: dict[str, Any]) -> ModelConfig:
+    """Baichuan2's config.json (remote-code `BaichuanConfig`), 7B or 13B.
+
+    Both sizes share `model_type` "baichuan" and the class `BaichuanForCausalLM`; the
+    7B's config (a RoPE model) has `max_position_embeddings` (its rotary table), the
+    13B's (ALiBi) only `model_max_length`, so that key's presence picks the position
+    embedding (vLLM's rule, hidden_size 4096 -> RoPE, agrees on the published configs and
+    also holds for smaller test models). NormHead iff the vocabulary is Baichuan2's
+    (Baichuan 1 has none). Heads are all kv heads (multi-head attention, fused `W_pack`).
+    """
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+    rope = "max_position_embeddings" in hf
+    heads, eos = hf["num_attention_heads"], hf.get("eos_token_id", 2)
+    return ModelConfig(
+        arch="baichuan", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=heads, head_dim=hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=10000.0,
+        max_position_embeddings=hf["max_position_embeddings"] if rope
+        else hf.get("model_max_length", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id", 1),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        position_embedding="rope" if rope else "alibi",
+        norm_head=hf["vocab_size"] == BAICHUAN2_VOCAB_SIZE)
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
@@ -156,6 +210,19 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 64)),
     "tiny-mistral": _tiny("mistral", rope_theta=1e6),
     "tiny-qwen2": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True),
+    "baichuan2-7b": ModelConfig(
+        "baichuan", BAICHUAN2_VOCAB_SIZE, 4096, 11008, 32, 32, 32, 128, rms_norm_eps=1e-6,
+        norm_head=True),
+    "baichuan2-13b": ModelConfig(
+        "baichuan", BAICHUAN2_VOCAB_SIZE, 5120, 13696, 40, 40, 40, 128, rms_norm_eps=1e-6,
+        position_embedding="alibi", norm_head=True),
+    # Baichuan2's vocabulary (so a checkpoint of these shapes is detected as Baichuan2);
+    # 6 heads: ALiBi slopes of a head count that is not a power of 2, as the 13B's 40
+    "tiny-baichuan2-alibi": _tiny("baichuan", vocab_size=BAICHUAN2_VOCAB_SIZE, hidden_size=48,
+                                  num_heads=6, num_kv_heads=6, head_dim=8, rms_norm_eps=1e-6,
+                                  position_embedding="alibi", norm_head=True),
+    "tiny-baichuan2-rope": _tiny("baichuan", vocab_size=BAICHUAN2_VOCAB_SIZE, num_kv_heads=4,
+                                 rms_norm_eps=1e-6, norm_head=True),
     "tiny-smollm2": _tiny("llama", hidden_size=96, num_heads=6, num_kv_heads=2,
                           tie_word_embeddings=True, rope_theta=100000.0),
 }

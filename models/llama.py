@@ -1,4 +1,6 @@
-"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2) over a params pytree.
+"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2, Baichuan2) over a
+params pytree. Baichuan2 is a Llama with RoPE (7B) or ALiBi (13B, no rotation) and a
+NormHead (`normalize_head`).
 
 Shape letters: T tokens, S sequences, L layers, H query heads, K kv heads, G = H // K,
 D head dim, E hidden, F mlp hidden, V vocab. Query head h uses kv head h // G.
@@ -145,7 +147,25 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> 
         return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 
     leaves = [make(path, shape, k) for (path, shape), k in zip(shapes, keys, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    if cfg.norm_head:
+        params = dataclasses.replace(params, lm_head=normalize_head(params.lm_head))
+    return params
+
+
+def normalize_head(lm_head: jax.Array) -> jax.Array:
+    """A NormHead's weight for inference: lm_head [E, V] with each vocabulary row (a
+    column here) divided by its L2 norm over E (floored at 1e-12, as torch's normalize),
+    computed in float32 and cast back.
+
+    Baichuan2 normalises the weight on every call in training and once, on the first
+    call, in inference. Normalising is a pure function of the weight, which inference
+    never changes, so normalising once when the weights are loaded gives the same
+    logits as normalising per call (and compute_logits stays a plain matmul).
+    """
+    w = lm_head.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(w * w, axis=0, keepdims=True))
+    return (w / jnp.maximum(norm, 1e-12)).astype(lm_head.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -229,8 +249,15 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     `linear` (default: XLA's). With layout "fused" and `qkv_attn_fn` given, attention goes
     to `qkv_attn_fn` instead: it takes the projection before RoPE and rotates Q and K
     itself (one kernel for the rotation and the KV write).
+
+    An ALiBi model (`cfg.alibi`) rotates nothing: its attention adds the bias, with the
+    slopes of `models.alibi.model_slopes(cfg)`, which `attn_fn` must apply (the engine's
+    step and models.reference's attention do). `qkv_attn_fn` (RoPE fused into the KV
+    write) is RoPE-only: ValueError if given for an ALiBi model.
     """
     check_layout(params)
+    if cfg.alibi and qkv_attn_fn is not None:
+        raise ValueError("qkv_attn_fn applies RoPE; an ALiBi model takes attn_fn only")
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
                              attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
@@ -256,16 +283,17 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
                                  inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
         q, k, v = _qkv(h, lp, cfg, linear, fused)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if not cfg.alibi:
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
     x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
     x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, fused)
     return (x, cache), None
 
 
-
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """hidden [..., E] -> logits [..., V] in float32 (tied embeddings when lm_head is None)."""
+    """hidden [..., E] -> logits [..., V] in float32 (tied embeddings when lm_head is None;
+    a NormHead's lm_head is stored normalised, see `normalize_head`)."""
     if params.lm_head is None:
         return jnp.einsum("...e,ve->...v", hidden, params.embed,
                           preferred_element_type=jnp.float32)

@@ -52,6 +52,14 @@ def load(model: str | os.PathLike = DEFAULT_MODEL, dtype: Any = "bfloat16",
     seed: PRNG seed for dummy weights.
     mesh: optional device mesh with a "tp" axis; weights are then sharded for tensor
       parallelism (see param_partition_specs).
+
+    Baichuan2 directories (safetensors; its NormHead and W_pack are mapped, see
+    models.safetensors_loader) load with no tokenizer unless `tokenizer` is given: theirs
+    is a sentencepiece `tokenizer.model` behind the remote-code class `BaichuanTokenizer`
+    (named in tokenizer_config.json's auto_map), which transformers' AutoTokenizer loads
+    only with trust_remote_code, and jprefix runs no checkpoint code. Pass `tokenizer` (a
+    directory AutoTokenizer loads, e.g. one holding a tokenizer.json converted from
+    tokenizer.model) or give prompts as token ids.
     """
     dt = _parse_dtype(dtype)
     if load_format not in LOAD_FORMATS:
@@ -71,7 +79,7 @@ def load(model: str | os.PathLike = DEFAULT_MODEL, dtype: Any = "bfloat16",
         if not path.is_dir():
             raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
         params, cfg = load_hf_checkpoint(path, dt, _shardings(mesh, path))
-        tok = _tokenizer(tokenizer or _dir_tokenizer(path))
+        tok = _tokenizer(tokenizer or (None if cfg.arch == "baichuan" else _dir_tokenizer(path)))
     return LoadedModel(params=params, config=cfg, tokenizer=tok, name=name)
 
 

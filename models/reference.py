@@ -3,7 +3,8 @@
 `dense_forward` attends over the whole sequence at once; `dense_generate` decodes greedily
 through a contiguous per-sequence KV cache (`DenseKVCache`). Both run `models.llama.forward`
 on any Params layout, so they check the engine's paged attention, packing and sampling, not
-the decoder's arithmetic (tested against transformers in the loader tests).
+the decoder's arithmetic (tested against transformers in the loader tests, and against an
+independent torch Baichuan2 in tests/test_baichuan.py). ALiBi models get their bias here.
 Shape letters as in models.llama; U kv positions, M cache slots per sequence.
 """
 
@@ -17,24 +18,34 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models.alibi import check_slopes, model_slopes
 from models.config import ModelConfig
 from models.llama import Params, compute_logits, forward
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                     kv_pos: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
+                     kv_pos: jax.Array, kv_valid: jax.Array | None = None,
+                     alibi_slopes: Any = None) -> jax.Array:
     """Plain attention: q [S,T,H,D], k/v [S,U,K,D]; row t sees keys with kv_pos <= q_pos[t].
 
-    q_pos [T], kv_pos [U], kv_valid optional [U] bool; returns [S,T,H,D] in q.dtype.
+    q_pos [T], kv_pos [U], kv_valid optional [U] bool; alibi_slopes optional [H] (ALiBi:
+    `slope_h * (kv_pos - q_pos)` added to the scaled scores; ValueError for another
+    length); returns [S,T,H,D] in q.dtype.
     """
     s, t, h, d = q.shape
     kh = k.shape[2]
+    check_slopes(alibi_slopes, h)
     qg = q.reshape(s, t, kh, h // kh, d)
     scores = jnp.einsum("stkgd,sukd->skgtu", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    if alibi_slopes is not None:  # head h = kv head * G + g
+        dist = (kv_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [T, U]
+        slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(kh, h // kh, 1, 1)
+        scores = scores + slopes * dist
     mask = kv_pos[None, :] <= q_pos[:, None]  # [T, U]
     if kv_valid is not None:
         mask = mask & kv_valid[None, :]
-    scores = jnp.where(mask, scores / math.sqrt(d), -jnp.inf)
+    scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("skgtu,sukd->stkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(s, t, h, d).astype(q.dtype)
@@ -43,9 +54,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 def dense_forward(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
     """Reference forward without a cache: token_ids [S, T] -> float32 logits [S, T, V]."""
     pos = jnp.arange(token_ids.shape[1], dtype=jnp.int32)
+    slopes = model_slopes(cfg)
 
     def attn(q, k, v, cache, layer):
-        return causal_attention(q, k, v, pos, pos), cache
+        return causal_attention(q, k, v, pos, pos, alibi_slopes=slopes), cache
 
     positions = jnp.broadcast_to(pos, token_ids.shape)
     hidden, _ = forward(params, cfg, token_ids, positions, None, attn)
@@ -69,8 +81,10 @@ def init_dense_cache(cfg: ModelConfig, num_seqs: int, max_len: int, dtype: Any) 
 
 
 def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCache,
-                     layer: jax.Array) -> tuple[jax.Array, DenseKVCache]:
-    """attn_fn over a DenseKVCache: writes k/v [S,T,K,D] at cache.length, attends causally.
+                     layer: jax.Array, alibi_slopes: Any = None
+                     ) -> tuple[jax.Array, DenseKVCache]:
+    """attn_fn over a DenseKVCache: writes k/v [S,T,K,D] at cache.length, attends causally
+    (with ALiBi given `alibi_slopes` [H]; `dense_cache_attn_fn(cfg)` binds a model's).
 
     The caller advances `cache.length` by T after the forward (all layers write the same slots).
     """
@@ -81,8 +95,13 @@ def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCac
     max_len = kc.shape[2]
     kv_pos = jnp.arange(max_len, dtype=jnp.int32)
     q_pos = start + jnp.arange(q.shape[1], dtype=jnp.int32)
-    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos)
+    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos, alibi_slopes=alibi_slopes)
     return out, DenseKVCache(kc, vc, cache.length)
+
+
+def dense_cache_attn_fn(cfg: ModelConfig):
+    """`dense_cache_attn` with `cfg`'s ALiBi slopes bound (None for a RoPE model)."""
+    return functools.partial(dense_cache_attn, alibi_slopes=model_slopes(cfg))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -91,7 +110,7 @@ def _dense_step(params: Params, cfg: ModelConfig, token_ids: jax.Array,
     """token_ids [S, T] appended after cache.length -> (greedy next ids [S], cache)."""
     t = token_ids.shape[1]
     positions = cache.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), token_ids.shape)
-    hidden, cache = forward(params, cfg, token_ids, positions, cache, dense_cache_attn)
+    hidden, cache = forward(params, cfg, token_ids, positions, cache, dense_cache_attn_fn(cfg))
     logits = compute_logits(params, cfg, hidden[:, -1])
     cache = DenseKVCache(cache.k, cache.v, cache.length + t)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

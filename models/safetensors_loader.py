@@ -1,5 +1,11 @@
 """Hugging Face checkpoint directories: config.json + *.safetensors (single or sharded).
 
+Llama, Mistral, Qwen2 and Baichuan2 name their tensors alike, except that Baichuan2 packs
+Q/K/V into one `self_attn.W_pack.weight` [3E, E] (rows: q, then k, then v) and its
+`lm_head.weight` is a NormHead's, whose rows are normalised here once (see
+`models.llama.normalize_head`). PyTorch `.bin` checkpoints (what the Baichuan2 repositories
+ship) are not read: convert them to safetensors first.
+
 The safetensors format is read directly (8-byte header length, JSON header, raw data) through a
 read-only memory map, so tensors are paged in one at a time and truncation is detected from
 the header's offsets before any tensor is touched.
@@ -37,11 +43,35 @@ _LAYER_NAMES = {
 }
 
 
-def hf_tensor_name(field: str, layer: int | None) -> str:
-    """The HF state-dict name of a Params field (at `layer` for per-layer fields)."""
+_W_PACK = "self_attn.W_pack.weight"
+_PACKED = ("wq", "wk", "wv")  # W_pack's row blocks, in order
+
+
+def hf_tensor_name(field: str, layer: int | None, arch: str = "llama") -> str:
+    """The HF state-dict name of a Params field (at `layer` for per-layer fields); for
+    Baichuan2's wq/wk/wv, the `W_pack` tensor that holds them."""
     if layer is None:
         return _TOP_NAMES[field]
+    if arch == "baichuan" and field in _PACKED:
+        return f"model.layers.{layer}.{_W_PACK}"
     return f"model.layers.{layer}.{_LAYER_NAMES[field]}"
+
+
+def _baichuan_tensor(cfg: ModelConfig, field: str, name: str, arr: np.ndarray,
+                     where: str) -> np.ndarray:
+    """A Baichuan2 tensor as the Llama field `field`: wq/wk/wv are row blocks of W_pack
+    [3E, E]; a NormHead's lm_head [V, E] comes back with unit rows (float32)."""
+    if name.endswith(_W_PACK):
+        e = cfg.hidden_size
+        if arr.shape != (3 * e, e):
+            raise ValueError(f"{where} has shape {tuple(arr.shape)}, but the config expects "
+                             f"{(3 * e, e)}")
+        i = _PACKED.index(field)
+        return arr[i * e:(i + 1) * e]
+    if field == "lm_head" and cfg.norm_head:
+        w = np.asarray(arr, np.float32)
+        return w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
+    return arr
 
 
 class SafetensorsFile:
@@ -127,9 +157,12 @@ def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = N
     tensors = open_tensors(directory)
 
     def get(field: str, layer: int | None) -> tuple[np.ndarray, str]:
-        name = hf_tensor_name(field, layer)
+        name = hf_tensor_name(field, layer, cfg.arch)
         if name not in tensors:
             raise ValueError(f"{directory}: missing tensor {name}")
-        return tensors[name].get(name), f"{tensors[name].path}: tensor {name}"
+        arr, where = tensors[name].get(name), f"{tensors[name].path}: tensor {name}"
+        if cfg.arch == "baichuan":
+            arr = _baichuan_tensor(cfg, field, name, arr, where)
+        return arr, where
 
     return build_params(cfg, get, dtype, shardings), cfg

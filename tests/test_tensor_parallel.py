@@ -63,10 +63,52 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
-def test_two_device_tensor_parallel_matches_one_device(backend):
+# ALiBi (6 heads, 3 per device): each device biases its query heads with their own slopes;
+# prefix caching and cascade decode steps on both, greedy tokens equal to one device's and
+# to the dense reference's
+ALIBI_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    import jprefix
+    from jprefix import LLM, SamplingParams
+    from models.reference import dense_generate
+    assert len(jax.devices()) == 2, jax.devices()
+    backend = sys.argv[1]
+    model = jprefix.load("tiny-baichuan2-alibi", dtype="float32", load_format="dummy")
+    assert model.config.alibi and model.config.num_heads == 6
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 1000, 24).tolist()
+    prompts = [shared + rng.integers(3, 1000, n).tolist() for n in (3, 7, 12)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(model, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
+                  attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1,
+                  unroll_layers=backend == "xla")
+        llm.generate(prompts[:1], sp, prefix_pos=24, use_tqdm=False)
+        out[tp] = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
+                                                     use_tqdm=False)]
+        assert any(s[4] for s in llm.engine.runner.shapes_seen)  # cascade steps ran
+    k = llm.engine.runner.kv_cache[0]
+    assert k.addressable_shards[0].data.shape[1] == 3  # three of six heads each
+    want = [dense_generate(model.params, model.config, p, 5, eos_token_ids=()) for p in prompts]
+    assert out[1] == out[2] == want, (out, want)
+""")
+
+
+def _run_two_devices(script: str, backend: str) -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", SCRIPT, backend], env=env, cwd=ROOT,
+    run = subprocess.run([sys.executable, "-c", script, backend], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
+def test_two_device_tensor_parallel_matches_one_device(backend):
+    _run_two_devices(SCRIPT, backend)
+
+
+@pytest.mark.parametrize("backend", ["xla"])
+def test_two_device_tensor_parallel_alibi_matches_one_device_and_dense(backend):
+    _run_two_devices(ALIBI_SCRIPT, backend)

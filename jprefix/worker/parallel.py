@@ -19,6 +19,7 @@ from models.layout import param_shardings
 
 AXIS = "tp"
 HEADS = PartitionSpec(None, AXIS)  # [T, H, D] activations and [L, K, N, B, D] caches
+HEAD_VALUES = PartitionSpec(AXIS)  # [H]: one value per query head (ALiBi slopes)
 REPLICATED = PartitionSpec()
 
 
@@ -48,13 +49,14 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def per_shard(fn, mesh: Mesh | None):
-    """Runs `fn(q, k, v, k_cache, v_cache, layer, batch) -> (out, k_cache, v_cache)` on
-    each device's heads; unchanged without a mesh."""
+    """Runs `fn(q, k, v, k_cache, v_cache, alibi_slopes, layer, batch) -> (out, k_cache,
+    v_cache)` on each device's heads (`alibi_slopes` [H] or None: each device gets its
+    query heads' slopes); unchanged without a mesh."""
     if mesh is None:
         return fn
     return jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, HEADS, HEADS, REPLICATED, REPLICATED),
+        in_specs=(HEADS, HEADS, HEADS, HEADS, HEADS, HEAD_VALUES, REPLICATED, REPLICATED),
         out_specs=(HEADS, HEADS, HEADS),
         check_vma=False,
     )

@@ -6,7 +6,9 @@ paged attention for every sequence (write-then-attend, so blocks written this st
 sequence can be read by another in the same step). The cache is donated and updated in
 place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`).
 With the Pallas backends on one device, one `rope_write_kv` kernel per layer rotates Q
-and K and writes the new K/V (`_qkv_attention`).
+and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take `write_kv`
+and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant of the
+static config (sharded by query heads under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.parallel import per_shard
 from jprefix.worker.sampler import sample
+from models.alibi import model_slopes
 from models.config import ModelConfig
 from models.llama import (
     LinearFn,
@@ -50,23 +53,25 @@ def default_backend() -> str:
 
 
 def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, layer, batch,
-               scale):
+               scale, alibi_slopes=None):
+    # the keyword only for ALiBi models: a RoPE model's call is the kernels' plain one
+    bias = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
             batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
             batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1,
+            use_reference=backend == "xla", max_q_len=1, **bias,
         )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
-        return paged_attention_reference(*args, scale=scale)
+        return paged_attention_reference(*args, scale=scale, **bias)
     interpret = backend == "pallas-interpret"
     if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
-                                     interpret=interpret)
+                                     interpret=interpret, **bias)
     return paged_attention(*args, scale=scale, interpret=interpret,
-                           max_q_len=1 if decode else None)
+                           max_q_len=1 if decode else None, **bias)
 
 
 def _one_device_pallas(backend: str, mesh: Mesh | None) -> bool:
@@ -101,8 +106,9 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
                    ) -> QKVAttnFn | None:
     """Attention from the fused Q/K/V projection: one `rope_write_kv` kernel rotates Q and
     K and writes the new K/V, where XLA runs three fusions per layer (`_one_device_pallas`).
-    None elsewhere: the model's RoPE, then `write_kv` and attention."""
-    if not _one_device_pallas(backend, mesh):
+    None elsewhere, and for ALiBi models (nothing to rotate): the model's RoPE (if any),
+    then `write_kv` and attention."""
+    if not _one_device_pallas(backend, mesh) or cfg.alibi:
         return None
 
     def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):
@@ -141,15 +147,19 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
     src = batch["token_src"]
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], batch["token_ids"])
 
-    def write_and_attend(q, k, v, k_cache, v_cache, layer, batch):
+    slopes = model_slopes(cfg)
+    slopes = None if slopes is None else jnp.asarray(slopes)
+
+    def write_and_attend(q, k, v, k_cache, v_cache, alibi_slopes, layer, batch):
         k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
-        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
+        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale,
+                         alibi_slopes)
         return out, k_cache, v_cache
 
     local = per_shard(write_and_attend, mesh)
 
     def attn_fn(q, k, v, cache, layer):
-        out, k_cache, v_cache = local(q, k, v, *cache, layer, batch)
+        out, k_cache, v_cache = local(q, k, v, *cache, slopes, layer, batch)
         return out, (k_cache, v_cache)
 
     hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
