@@ -265,3 +265,24 @@ def test_alibi_chunked_prefill_matches_dense(models):
               enable_prefix_caching=False)
     outs = llm.generate(prompts, _greedy(4), use_tqdm=False)
     assert [o.token_ids for o in outs] == [_dense(model, p, 4) for p in prompts]
+
+
+def test_bad_w_pack_and_missing_tensors_raise_naming_them(tmp_path):
+    cfg = PRESETS["tiny-baichuan2-rope"]
+    sd = _write_checkpoint(cfg, tmp_path, seed=5)
+    name = "model.layers.1.self_attn.W_pack.weight"
+    sd[name] = sd[name][:-1]
+    safetensors.torch.save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"W_pack.*\(191, 64\).*\(192, 64\)"):
+        jprefix.load(tmp_path, dtype="float32")
+    del sd[name]
+    safetensors.torch.save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing tensor " + name):
+        jprefix.load(tmp_path, dtype="float32")
+
+
+def test_bfloat16_load_keeps_the_norm_head_rows_unit(checkpoints):
+    loaded = jprefix.load(checkpoints["alibi"][0], dtype="bfloat16")
+    head = np.asarray(loaded.params.lm_head, np.float32)
+    assert loaded.params.lm_head.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.linalg.norm(head, axis=0), 1.0, atol=1e-2)
