@@ -208,3 +208,31 @@ def test_token_ids_come_back_as_plain_ints_whatever_their_integer_type():
     assert check_token_ids((9, np.int32(3)), 10) == [9, 3]
     with pytest.raises(ValueError, match="token 2 is 10"):
         check_token_ids([0, 9, 10], 10)  # the vocabulary's first id past the end
+
+
+def test_dtype_auto_is_float32_on_the_cpu_everywhere(tmp_path, monkeypatch):
+    import ast
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    from jprefix.engine.args import EngineArgs, resolve_dtype
+    from jprefix.entrypoints.cli import _build_parser
+
+    assert EngineArgs().dtype == "auto" and resolve_dtype("auto") == "float32"
+    assert resolve_dtype("bfloat16") == "bfloat16"
+    assert jprefix.load("tiny-llama", load_format="dummy").params.embed.dtype == jnp.float32
+    for command in ("generate", "serve"):
+        assert _build_parser().parse_args([command]).dtype == "auto"
+    scripts = Path(__file__).parent.parent / "scripts"
+    for name in ("bench_engine.py", "bench_throughput.py", "profile_engine.py"):
+        calls = [n for n in ast.walk(ast.parse((scripts / name).read_text()))
+                 if isinstance(n, ast.Call) and n.args and getattr(n.args[0], "value", None)
+                 == "--dtype"]
+        assert [k.value.value for c in calls for k in c.keywords if k.arg == "default"] \
+            == ["auto"], name
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # on an accelerator:
+    assert resolve_dtype("auto", tmp_path) == "float16"  # the checkpoint's dtype
+    assert resolve_dtype("auto", "tiny-llama") == "bfloat16"

@@ -242,3 +242,33 @@ def test_async_and_sync_scheduling_give_identical_outputs(tiny):
             assert (cut, reason) == (tokens[: tokens.index(stop_at) + 1], "stop")
         else:
             assert (cut, reason) == (tokens, "length")
+
+
+def test_max_model_len_must_fit_the_kv_cache(tiny):
+    from jprefix.engine.args import EngineArgs
+    from jprefix.engine.llm_engine import fit_max_model_len
+
+    with pytest.raises(ValueError, match="max_model_len 600 is outside"):
+        LLM(tiny, block_size=8, num_kv_blocks=64, max_model_len=600)  # the model's is 512
+    with pytest.raises(ValueError, match="max_model_len 510 does not fit .*num_kv_blocks"):
+        LLM(tiny, block_size=8, num_kv_blocks=64, max_model_len=510)  # 63 * 8 = 504 tokens
+    with pytest.raises(ValueError, match="8192 tokens does not fit .*gpu_memory_utilization"):
+        fit_max_model_len(EngineArgs(block_size=16), 8192, 64)  # cache sized from memory
+    assert fit_max_model_len(EngineArgs(block_size=16), 8192, 1 + 512) == 8192
+    assert fit_max_model_len(EngineArgs(block_size=16, max_model_len=100), 8192, 64) == 100
+    llm = LLM(tiny, block_size=8, num_kv_blocks=1 + 16)  # the user sized the cache: capped
+    assert llm.engine.max_model_len == 128
+    with pytest.raises(ValueError, match="exceeds the model context of 128"):
+        llm.generate([[5] * 100], SamplingParams(max_tokens=29), use_tqdm=False)
+
+
+def test_requests_that_fit_alone_all_complete_by_preempting(tiny):
+    """Each request fills the whole cache alone: they take turns (preemption) and every
+    one finishes with its full length, none with 'error'."""
+    llm = LLM(tiny, block_size=8, num_kv_blocks=1 + 16)
+    prompts = [np.random.default_rng(i).integers(3, 200, 40).tolist() for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=88, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    assert all(len(o.token_ids) == 88 for o in outs)
+    assert llm.scheduler.block_manager.num_used_blocks == 0

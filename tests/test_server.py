@@ -138,3 +138,72 @@ def test_chat_completion_with_the_real_chat_template(smollm2_gguf):
                        for e in events if e["choices"])
     assert streamed == text
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", 2), ("top_logprobs", 3), ("echo", True), ("presence_penalty", 0.5),
+    ("frequency_penalty", 1.0), ("repetition_penalty", 1.2), ("best_of", 2), ("suffix", "x"),
+    ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function"}]), ("n", 3), ("min_p", 0.1),
+])
+def test_unsupported_fields_get_400_naming_them_and_neutral_values_pass(client, field, value):
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    r = client.post("/v1/completions", json=body | {field: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and f"{field} " in error["message"]
+    assert "not supported" in error["message"]
+    neutral = {"logprobs": None, "echo": False, "n": 1, "presence_penalty": 0, "best_of": 1}
+    assert client.post("/v1/completions", json=body | neutral).status_code == 200
+
+
+@pytest.mark.parametrize("method, path, body, status, match", [
+    ("POST", "/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("GET", "/v1/completions", None, 405, "method GET is not allowed"),
+    ("GET", "/v2/nothing", None, 404, "no route /v2/nothing"),
+])
+def test_every_error_is_openai_error_json(client, method, path, body, status, match):
+    r = client.request(method, path, content=body,
+                       headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and match in error["message"]
+    assert "detail" not in r.json()
+
+
+def test_api_key_guards_every_route_but_health(tiny, monkeypatch):
+    llm = LLM(tiny, block_size=8, num_kv_blocks=64)
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    with TestClient(build_app(llm, api_key="sekrit")) as c:
+        assert c.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models").status_code == 401
+        ok = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+    monkeypatch.setenv("JPREFIX_API_KEY", "from-env")
+    with TestClient(build_app(llm)) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code \
+            == 200
+
+
+def test_text_stream_holds_back_every_stop_string():
+    from jprefix.entrypoints.serving import TextStream
+
+    class CharTokenizer:  # token id = one character
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    text = "a wise old owl"
+    for stop in (["w"], ["wise"], ["a"], ["owl", "old", "zz"], [" o", "se o"], ["nope"]):
+        stream, sent = TextStream(CharTokenizer(), stop), ""
+        for ch in text:
+            sent += stream.push([ord(ch)])
+        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+        final = text[: min(hits)] if hits else text
+        assert final.startswith(sent), (stop, sent)
+        assert sent + stream.finish(final) == final
