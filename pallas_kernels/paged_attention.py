@@ -100,14 +100,11 @@ def paged_attention(
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
     check_slopes(alibi_slopes, q.shape[1])
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: the Pallas kernel has no ALiBi yet; use "
-                         "paged_attention_reference")
     bs = resolve_block_sizes(block_sizes or BlockSizes(), q.shape, k_cache.shape, q.dtype,
                              max_q_len=max_q_len, causal=causal)
     cfg = kernel_config(bs, q.shape, k_cache.shape, decode=max_q_len == 1, scale=scale,
                         soft_cap=soft_cap, interpret=interpret, causal=causal,
-                        return_lse=return_lse)
+                        return_lse=return_lse, alibi=alibi_slopes is not None)
     num_layers, k, n, b, d = k_cache.shape
     t, h, _ = q.shape
     pad = -block_tables.shape[1] % cfg.pages_per_step
@@ -116,7 +113,7 @@ def paged_attention(
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     rows = (num_layers * k * n * b, d)  # one row per cached token and head
     out = run_kernel(q.reshape(t * h, d), k_cache.reshape(rows), v_cache.reshape(rows),
-                     layer, block_tables, meta, cfg,
+                     layer, block_tables, meta, cfg, alibi_slopes=alibi_slopes,
                      num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret)
     if return_lse:
         return out[0].reshape(t, h, d), out[1].reshape(t, h)

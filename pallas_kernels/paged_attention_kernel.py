@@ -8,9 +8,11 @@ viewed as `[L*K*N*B, D]`, one row pointer per key (row = ((layer*K + head)*N + p
 offset, the page id read per key from the block table). With `kv_splits > 1` each
 program stores unnormalised float32 partials that `combine_splits` merges in XLA.
 
-Two static options add code only when set: `causal=False` (every row sees all `kv_len`
-keys; cascade attention's shared-prefix part) and `return_lse` (also the log-sum-exp of
-each row's logits, natural log, -inf for rows that see no key).
+Three static options add code only when set: `causal=False` (every row sees all
+`kv_len` keys; cascade attention's shared-prefix part), `return_lse` (also the
+log-sum-exp of each row's logits, natural log, -inf for rows that see no key) and
+`alibi` (an [H] slopes input; each step adds `slope_h * (key_pos - q_pos)` to the
+logits, q_pos = the row's position, or kv_len with `causal=False`).
 
 Interpret mode stores a masked lane as a read-modify-write scatter, so two lanes of one
 store must not share a row: with `cfg.dump_rows` masked rows store to private rows past
@@ -46,7 +48,7 @@ def _logits(q, k, cfg: KernelConfig):
 
 
 def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg,
-          masked):
+          masked, alibi=None):
     """One online-softmax step over `block_kv` keys (of each of the tile's heads) gathered
     from `pages_per_step` pages; `masked` adds the causal / length mask (edge steps).
 
@@ -54,7 +56,8 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     [L*K*N*B, D]; carry = (o [R, D] float32, running max m [R] and denominator [R]
     float32 in log2 units, page ids [keys_per_step]). With `prefetch_pages` the carry's
     page ids are this step's, loaded one step ahead so that the K/V gather does not wait
-    on the block-table load.
+    on the block-table load. `alibi` (with `cfg.alibi`): per row, the slope in log2
+    units and the query position of the bias, float32 and int32 [R].
     """
     o, m, denom, pages = carry
     if cfg.prefetch_pages:
@@ -68,6 +71,9 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
     k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok)
     x = _logits(q, k, cfg)
+    if cfg.alibi:  # the position difference is exact in int32, then one rounding
+        slope, q_pos = alibi
+        x = x + slope[:, None] * (key_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
     if cfg.heads_per_tile > 1:  # each row sees only its own head's keys
         x = jnp.where((kk // cfg.block_kv)[None, :] == row_head[:, None], x, -jnp.inf)
     if masked:
@@ -118,8 +124,9 @@ def ragged_paged_attention_kernel(
     q_ref,  # [T*H, D]
     k_ref,  # [L*K*N*B, D]
     v_ref,  # [L*K*N*B, D]
-    o_ref,  # [T*H(+R), D] out dtype, or [splits*(T*H(+R)), D] float32 partials
-    *stat_refs,  # kv_splits > 1: m, l partials [splits*(T*H(+R))] float32;
+    *refs,  # cfg.alibi: slopes [H] float32; then the outputs:
+    # o [T*H(+R), D] out dtype, or [splits*(T*H(+R)), D] float32 partials;
+    # kv_splits > 1: m, l partials [splits*(T*H(+R))] float32;
     # kv_splits == 1 and return_lse: lse [T*H(+R)] float32
     cfg: KernelConfig,
 ):
@@ -133,13 +140,14 @@ def ragged_paged_attention_kernel(
     # short prompt has 1 live prefill tile of 9 per head and split).
     # (The program ids are read out here: interpret mode cannot lower them inside a cond.)
     pl.when(meta_ref[tile, 2] > 0)(functools.partial(
-        _tile, tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
-        *stat_refs, cfg=cfg))
+        _tile, tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
+        cfg=cfg))
 
 
-def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_ref,
-          *stat_refs, cfg: KernelConfig):
+def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
+          cfg: KernelConfig):
     """The kernel's work for one live tile (`ragged_paged_attention_kernel`)."""
+    slopes_ref, (o_ref, *stat_refs) = (refs[0], refs[1:]) if cfg.alibi else (None, refs)
     seq, tok0, valid = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
     first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
 
@@ -177,6 +185,9 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_
         _step, q=q, pos=pos, row_head=row_head, kv_len=kv_len, seq=seq, page_base=page_base,
         bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg,
     )
+    if cfg.alibi:
+        step = functools.partial(step, alibi=_alibi_rows(slopes_ref, kvh, row_head, g, pos,
+                                                         kv_len, cfg))
     carry = (
         jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
         jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),
@@ -208,6 +219,15 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, o_
     plgpu.store(denom_ref.at[prow], denom, mask=row_ok)
 
 
+def _alibi_rows(slopes_ref, kvh, row_head, g, pos, kv_len, cfg: KernelConfig):
+    """Per tile row: its query head's slope in log2 units (padded group rows take a
+    valid head's) and its bias position (its own, or kv_len with `causal=False`)."""
+    head = jnp.minimum((kvh + row_head) * cfg.group + g, cfg.num_heads - 1)
+    slope = slopes_ref[head] * LOG2E
+    q_pos = pos if cfg.causal else jnp.full_like(pos, kv_len)
+    return slope, q_pos
+
+
 def combine_splits(o: jax.Array, m: jax.Array, denom: jax.Array, num_rows: int, dtype,
                    return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Merges per-split partials into [num_rows, D] in `dtype`: o [splits, rows, D]
@@ -229,11 +249,12 @@ def combine_splits(o: jax.Array, m: jax.Array, denom: jax.Array, num_rows: int, 
 
 def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
                block_tables: jax.Array, meta: jax.Array, cfg: KernelConfig, *,
-               num_warps: int, num_stages: int, interpret: bool
+               num_warps: int, num_stages: int, interpret: bool,
+               alibi_slopes: jax.Array | None = None
                ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Launches the kernel: q2 [T*H, D]; k2, v2 the caches as [L*K*N*B, D]; layer [1]
     int32; block_tables [S, Mp] int32 (Mp a multiple of pages_per_step); meta [NT, 5]
-    int32 (`tile_metadata`).
+    int32 (`tile_metadata`); alibi_slopes [H] float32, given iff `cfg.alibi`.
 
     Returns [T*H, D], or with `cfg.return_lse` ([T*H, D], lse [T*H] float32).
     """
@@ -248,6 +269,10 @@ def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
         out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32),
                      jax.ShapeDtypeStruct((n,), jnp.float32),
                      jax.ShapeDtypeStruct((n,), jnp.float32)]
+    if cfg.alibi != (alibi_slopes is not None):
+        raise ValueError("alibi_slopes must be given exactly when cfg.alibi is set")
+    inputs = (meta, block_tables, layer, q2, k2, v2)
+    inputs += (alibi_slopes,) if cfg.alibi else ()
     outs = pl.pallas_call(
         functools.partial(ragged_paged_attention_kernel, cfg=cfg),
         grid=(meta.shape[0], cfg.num_kv_heads // cfg.heads_per_tile, cfg.kv_splits),
@@ -255,7 +280,7 @@ def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=_kernel_name(cfg),
-    )(meta, block_tables, layer, q2, k2, v2)
+    )(*inputs)
     if cfg.kv_splits == 1:
         if cfg.return_lse:
             return outs[0][: cfg.num_rows], outs[1][: cfg.num_rows]
@@ -270,5 +295,6 @@ def _kernel_name(cfg: KernelConfig) -> str:
     name = f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}"
     name += "" if cfg.causal else "_full"
     name += "_lse" if cfg.return_lse else ""
+    name += "_alibi" if cfg.alibi else ""
     name += f"_hp{cfg.heads_per_tile}" if cfg.heads_per_tile > 1 else ""
     return name + "_1loop" * cfg.single_loop

@@ -138,6 +138,7 @@ class KernelConfig:
     # block-diagonal mask keeps each row to its own head's keys (more work per program
     # for short contexts, where a program's fixed latency dominates)
     heads_per_tile: int = 1
+    alibi: bool = False  # add slope_h * (k_pos - q_pos) to the logits ([H] slopes input)
 
     @property
     def block_kv(self) -> int:
@@ -151,7 +152,7 @@ class KernelConfig:
 
 def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
                   *, decode: bool, scale: float, soft_cap: float | None, interpret: bool,
-                  causal: bool, return_lse: bool) -> KernelConfig:
+                  causal: bool, return_lse: bool, alibi: bool = False) -> KernelConfig:
     """The kernel's static facts from resolved knobs `bs` (`resolve_block_sizes`)."""
     t, h, d = q_shape
     _, k, n, b, _ = cache_shape
@@ -166,6 +167,7 @@ def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[i
         dump_rows=interpret, prefetch_pages=bs.prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=bs.single_loop, evict_first=bs.evict_first,
         mask_q=bs.mask_q, mask_kv=bs.mask_kv, heads_per_tile=bs.heads_per_tile,
+        alibi=alibi,
     )
 
 

@@ -11,11 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
-from test_paged_attention import MIXED, make_batch, rel_err
+from test_paged_attention import INTERPRET, MIXED, TOL, make_batch, rel_err
 
 from pallas_kernels.alibi import alibi_slopes
 from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_attention import (
+    mixed_paged_attention,
+    paged_attention,
+    paged_attention_reference,
+)
+from pallas_kernels.paged_attention_tiling import BlockSizes
 
 SCALE = 0.3
 # (heads, kv_heads): Baichuan2-13B's 40 heads (MHA, and GQA groups of 5 padded to 8),
@@ -164,6 +169,126 @@ def test_cascade_reference_paths_match_dense_alibi(heads, kv_heads, q_len):
     np.testing.assert_allclose(composed, plain, rtol=1e-4, atol=1e-5)
 
 
+# -- Pallas kernels -----------------------------------------------------------------------
+
+def check_output(out, want, batch):
+    """out == want on the real rows; every row written (no NaN), padding rows zeros."""
+    dtype = batch["q"].dtype
+    assert out.shape == batch["q"].shape and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any(), "some output rows were never written"
+    n = int(batch["cu_q_lens"][-1])
+    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
+    assert rel_err(out[:n], want[:n]) < TOL[dtype.type]
+
+
+def check_kernel(batch, slopes, *, soft_cap=None, max_q_len=None, **knobs):
+    out = paged_attention(**batch, scale=SCALE, soft_cap=soft_cap, interpret=INTERPRET,
+                          max_q_len=max_q_len, block_sizes=BlockSizes(**knobs),
+                          alibi_slopes=slopes)
+    check_output(out, dense_alibi(batch, slopes, soft_cap=soft_cap)[0], batch)
+
+
+@pytest.mark.parametrize("max_q_len", [None, 1])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("seqs", [DECODE, PREFILL, CACHED, MIXED])
+def test_kernel_matches_dense_alibi(seqs, heads, kv_heads, max_q_len):
+    batch, slopes = alibi_batch(len(seqs) + heads, seqs, heads, kv_heads)
+    check_kernel(batch, slopes, max_q_len=max_q_len, block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("max_q_len,knobs", [
+    (1, {"kv_splits": 2, "block_kv": 8}),  # decode, split key range
+    (1, {"kv_splits": 4, "block_kv": 8, "single_loop": True}),
+    (None, {"kv_splits": 3, "block_kv": 8}),  # prefill, split key range
+    (None, {"block_q": 16, "block_kv": 8, "mask_kv": False}),
+    (None, {"block_q": 32, "soft_cap": 5.0}),
+])
+def test_kernel_alibi_splits_and_variants(max_q_len, knobs, dtype):
+    seqs = MIXED + [(1, 64), (5, 41)]
+    batch, slopes = alibi_batch(21, seqs, 40, 8, dtype)
+    check_kernel(batch, slopes, max_q_len=max_q_len, **knobs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_alibi_random_ragged_batches(seed):
+    # One-page key steps put the causal and length edges at every offset.
+    rng = np.random.default_rng(2000 + seed)
+    seqs = [(int(rng.integers(1, k + 1)), int(k)) for k in rng.integers(1, 60, 7)] + [(0, 0)]
+    batch, slopes = alibi_batch(seed, seqs, 40, 40)
+    check_kernel(batch, slopes, block_q=16, block_kv=8)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hp,knobs", [
+    (40, 40, 8, {"kv_splits": 2, "block_kv": 32}),
+    (8, 4, 2, {"soft_cap": 5.0}),
+    (12, 4, 4, {"block_kv": 16}),  # group 3 padded to 4
+])
+def test_kernel_alibi_heads_per_tile(heads, kv_heads, hp, knobs):
+    seqs = [(1, 37), (1, 3), (0, 0), (4, 20), (1, 1), (1, 64)]
+    batch, slopes = alibi_batch(hp + heads, seqs, heads, kv_heads)
+    check_kernel(batch, slopes, max_q_len=1, heads_per_tile=hp, **knobs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_decode", [0, 3, 6])
+def test_mixed_step_alibi(num_decode, dtype):
+    rng = np.random.default_rng(90 + num_decode)
+    seqs = [(1, int(k)) for k in rng.integers(1, 50, num_decode)]
+    for _ in range(6 - num_decode):
+        q = int(rng.integers(2, 20))
+        seqs.append((q, q + int(rng.integers(0, 30))))
+    batch, slopes = alibi_batch(num_decode, seqs + [(0, 0)], 40, 8, dtype)
+    out = mixed_paged_attention(**batch, num_decode=jnp.int32(num_decode), scale=SCALE,
+                                interpret=INTERPRET, alibi_slopes=slopes)
+    check_output(out, dense_alibi(batch, slopes)[0], batch)
+
+
+@pytest.mark.parametrize("max_q_len", [None, 1])
+@pytest.mark.parametrize("heads,kv_heads", [(40, 40), (8, 2)])
+def test_kernel_cached_prefix_equals_uncached_prefill(heads, kv_heads, max_q_len):
+    whole, cached, slopes = cached_and_uncached(4, 45, 7, heads, kv_heads)
+    kw = dict(scale=SCALE, interpret=INTERPRET, alibi_slopes=slopes)
+    full = paged_attention(**whole, **kw, block_sizes=BlockSizes(block_q=32))
+    part = paged_attention(**cached, **kw, max_q_len=max_q_len)
+    np.testing.assert_allclose(part, full[-7:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_q_len,kv_splits", [(1, 3), (None, 1), (None, 2)])
+def test_kernel_non_causal_lse_with_alibi(max_q_len, kv_splits):
+    batch, slopes = alibi_batch(31, MIXED + [(3, 0)], 40, 8)
+    out, lse = paged_attention(**batch, scale=SCALE, interpret=INTERPRET, causal=False,
+                               return_lse=True, max_q_len=max_q_len, alibi_slopes=slopes,
+                               block_sizes=BlockSizes(block_q=16, kv_splits=kv_splits))
+    want, want_lse = dense_alibi(batch, slopes, causal=False)
+    check_output(out, want, batch)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("lead,max_q_len,q_len", [(1, 1, 1), (0, None, 6), (2, 1, 6)])
+@pytest.mark.parametrize("heads,kv_heads,dtype,block_size", [
+    (40, 40, jnp.float32, 8), (40, 8, jnp.bfloat16, 16), (8, 2, jnp.float32, 8)])
+def test_cascade_kernel_equals_paged_attention_over_full_tables(
+        heads, kv_heads, dtype, block_size, lead, max_q_len, q_len):
+    groups = [(p, [kv if kv == 1 else kv * block_size // 8 for kv in kvs])
+              for p, kvs in GROUPS]
+    batch, cascade = make_cascade_batch(np.random.default_rng(heads + q_len), groups, LONERS,
+                                        lead=lead, q_len=q_len, block_size=block_size,
+                                        heads=heads, kv_heads=kv_heads, dtype=dtype)
+    slopes = jnp.asarray(alibi_slopes(heads))
+    out = cascade_attention(**cascade, scale=SCALE, max_q_len=max_q_len,
+                            interpret=INTERPRET, alibi_slopes=slopes)
+    check_output(out, dense_alibi(batch, slopes)[0], batch)
+    plain = paged_attention(**batch, scale=SCALE, interpret=INTERPRET, alibi_slopes=slopes)
+    check_output(plain, dense_alibi(batch, slopes)[0], batch)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(out, plain, rtol=1e-4, atol=1e-5)
+
+
 # -- validation ---------------------------------------------------------------------------
 
 BAD_SLOPES = {
@@ -176,9 +301,14 @@ BAD_SLOPES = {
 @pytest.mark.parametrize("bad", sorted(BAD_SLOPES))
 def test_bad_slopes_raise_value_error(bad):
     batch, _ = alibi_batch(0, [(2, 5)], 8, 2)
+    for fn in (paged_attention_reference, paged_attention):
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            fn(**batch, scale=SCALE, alibi_slopes=BAD_SLOPES[bad])
     with pytest.raises(ValueError, match="alibi_slopes"):
-        paged_attention_reference(**batch, scale=SCALE, alibi_slopes=BAD_SLOPES[bad])
+        mixed_paged_attention(**batch, num_decode=jnp.int32(0), scale=SCALE,
+                              alibi_slopes=BAD_SLOPES[bad])
     _, cascade = make_cascade_batch(np.random.default_rng(0), [(1, [2])], [3], heads=8)
-    with pytest.raises(ValueError, match="alibi_slopes"):
-        cascade_attention(**cascade, scale=SCALE, use_reference=True,
-                          alibi_slopes=BAD_SLOPES[bad])
+    for use_reference in (True, False):
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            cascade_attention(**cascade, scale=SCALE, use_reference=use_reference,
+                              alibi_slopes=BAD_SLOPES[bad])
