@@ -3,10 +3,12 @@
 Sections: decode KV bandwidth vs JAX's own `pallas.ops.gpu.paged_attention` (both tuned
 over their knobs in this run), prefill TFLOP/s vs cuDNN on the dense equivalent,
 prefix-cached vs uncached prefill time, write_kv time and in-place check (bench_write_kv),
-the device copy ceiling. Every timed shape is checked against `paged_attention_reference`
-first. Prints one table last. Times are device times per call (`kernel_timing.measure`:
-the op's kernels' busy time in a profiler trace, as inside a jitted engine step), for ours
-and the peers alike; the JSON also keeps the wall time of back-to-back calls.
+the device copy ceiling. The decode and prefill sections also time their best config with
+ALiBi slopes against the same config without (`alibi_cost`: the bias's cost). Every timed
+shape is checked against `paged_attention_reference` first. Prints one table last. Times
+are device times per call (`kernel_timing.measure`: the op's kernels' busy time in a
+profiler trace, as inside a jitted engine step), for ours and the peers alike; the JSON
+also keeps the wall time of back-to-back calls.
 
     PYTHONPATH=$PWD python3 scripts/bench_kernels.py --output-json out.json
 """
@@ -22,6 +24,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.alibi import alibi_slopes
 from pallas_kernels.paged_attention import paged_attention_reference
 from scripts.bench_write_kv import bench_write_kv
 from scripts.kernel_timing import (
@@ -34,7 +37,8 @@ from scripts.kernel_timing import (
     rel_err,
 )
 
-HEADS = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # (H, K), D = 128
+HEADS = {"llama2-7b": (32, 32), "llama3-8b": (32, 8),  # (H, K), D = 128
+         "baichuan2-13b": (40, 40)}  # (ALiBi)
 
 
 def tune_ours(case: dict, configs: list[dict], interpret: bool) -> tuple[dict, list]:
@@ -57,6 +61,29 @@ def tune_ours(case: dict, configs: list[dict], interpret: bool) -> tuple[dict, l
     ok = [r for r in rows if r["seconds"] == r["seconds"]]
     best = min(ok, key=lambda r: r["seconds"]) if ok else rows[0]
     return best, rows
+
+
+def alibi_cost(case: dict, cfg: dict, interpret: bool, rounds: int = 3) -> dict:
+    """The ALiBi bias's cost on `case` with knobs `cfg`: the op timed without and with
+    `alibi_slopes(H)`, alternating for `rounds` rounds (best of each), after the biased
+    output is checked against the reference with the same slopes (raises if off)."""
+    scale = case["q"].shape[-1] ** -0.5
+    slopes = jnp.asarray(alibi_slopes(case["q"].shape[1]))
+    off = jax.jit(attention_fn(scale, interpret, cfg))
+    on = jax.jit(attention_fn(scale, interpret, cfg, alibi_slopes=slopes))
+    err = rel_err(on(**case), paged_attention_reference(**case, scale=scale,
+                                                        alibi_slopes=slopes))
+    if not err < 2e-2:
+        raise AssertionError(f"ALiBi output off the reference: rel_err {err} with {cfg}")
+    times = {"off": [], "on": []}
+    for _ in range(rounds):
+        for label, fn in (("off", off), ("on", on)):
+            times[label].append(measure(fn, *case.values())["seconds"])
+    off_s, on_s = min(times["off"]), min(times["on"])
+    print(f"  alibi {cfg}: off {off_s * 1e3:.3f} ms, on {on_s * 1e3:.3f} ms "
+          f"({on_s / off_s - 1:+.1%})", flush=True)
+    return {"config": cfg, "rel_err": err, "off_seconds": off_s, "on_seconds": on_s,
+            "overhead": on_s / off_s - 1, "times": times}
 
 
 def decode_configs(smoke: bool) -> list[dict]:
@@ -108,11 +135,13 @@ def bench_decode(smoke: bool, results: dict) -> None:
             print(f"decode {name} batch {batch}", flush=True)
             best, rows = tune_ours(case, decode_configs(smoke), smoke)
             theirs = jax_ops_decode(case, smoke)
+            alibi = alibi_cost(case, best["config"], smoke)
             results["decode"].append({
                 "model": name, "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
                 "ours": best, "ours_sweep": rows, "jax_ops": theirs,
                 "ours_tb_s": kv_bytes / best["seconds"] / 1e12,
                 "jax_ops_tb_s": kv_bytes / theirs["seconds"] / 1e12 if theirs else None,
+                "alibi": alibi,
             })
             del case
 
@@ -171,7 +200,8 @@ def bench_prefill(smoke: bool, results: dict) -> None:
                           "ours": best, "ours_sweep": rows, "cudnn": cudnn,
                           "cudnn_seconds": cudnn["seconds"],
                           "ours_tflops": flops / best["seconds"] / 1e12,
-                          "cudnn_tflops": flops / cudnn["seconds"] / 1e12}
+                          "cudnn_tflops": flops / cudnn["seconds"] / 1e12,
+                          "alibi": alibi_cost(case, best["config"], smoke)}
     del case
     cached, new = (20, 8) if smoke else (596, 104)
     n = 4 if smoke else 64
@@ -182,7 +212,8 @@ def bench_prefill(smoke: bool, results: dict) -> None:
         print(f"prefix prefill {label}", flush=True)
         best_c, _ = tune_ours(case, prefill_configs(smoke), smoke)
         out[label] = {"ours": best_c, "flops": 4 * d * heads[0] * attn_pairs(seqs),
-                      "tflops": 4 * d * heads[0] * attn_pairs(seqs) / best_c["seconds"] / 1e12}
+                      "tflops": 4 * d * heads[0] * attn_pairs(seqs) / best_c["seconds"] / 1e12,
+                      "alibi": alibi_cost(case, best_c["config"], smoke)}
         del case
     out["speedup"] = out["uncached"]["ours"]["seconds"] / out["cached"]["ours"]["seconds"]
     out["flop_ratio"] = out["uncached"]["flops"] / out["cached"]["flops"]
@@ -220,9 +251,26 @@ def table(results: dict) -> str:
         lines.append(f"| write_kv {w['variant']} {w['tokens']} tok | {w['seconds'] * 1e6:.1f} us | "
                      f"aliased {w['alias_bytes']} of {w['cache_bytes']} B, "
                      f"{w['cache_copies_in_hlo']} cache copies | in place |")
+    for label, r in alibi_rows(results):
+        lines.append(f"| ALiBi cost, {label} | {r['overhead']:+.1%} "
+                     f"({r['on_seconds'] * 1e3:.3f} vs {r['off_seconds'] * 1e3:.3f} ms) "
+                     f"| no bias | <= +5% |")
     if "copy_tb_s" in results:
         lines.append(f"| device copy (ceiling) | {results['copy_tb_s']:.2f} TB/s | | |")
     return "\n".join(lines)
+
+
+def alibi_rows(results: dict) -> list[tuple[str, dict]]:
+    """(label, alibi_cost result) of each section row that has one."""
+    rows = [(f"decode {r['model']} B{r['batch']}", r["alibi"])
+            for r in results.get("decode", []) if "alibi" in r]
+    if "alibi" in results.get("prefill", {}):
+        rows.append(("prefill", results["prefill"]["alibi"]))
+    for label in ("uncached", "cached"):
+        r = results.get("prefix_prefill", {}).get(label, {})
+        if "alibi" in r:
+            rows.append((f"prefix prefill {label}", r["alibi"]))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
