@@ -109,6 +109,6 @@ def test_two_device_tensor_parallel_matches_one_device(backend):
     _run_two_devices(SCRIPT, backend)
 
 
-@pytest.mark.parametrize("backend", ["xla"])
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
 def test_two_device_tensor_parallel_alibi_matches_one_device_and_dense(backend):
     _run_two_devices(ALIBI_SCRIPT, backend)
