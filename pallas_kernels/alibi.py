@@ -8,8 +8,12 @@ positions, so prefill with a cached prefix and without it compute the same logit
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
+
+LOG2E = math.log2(math.e)
 
 
 def _pow2_slopes(n: int) -> list[float]:
@@ -49,3 +53,23 @@ def check_slopes(alibi_slopes, num_heads: int) -> None:
         raise ValueError(f"alibi_slopes must be float32 [{num_heads}] (one per query head), "
                          f"got {dtype}{list(shape)}")
 
+
+
+def alibi_tile_terms(slopes, tok, first_pos, kv_len, *, causal: bool, unit: float):
+    """The ALiBi terms of one kernel tile (`paged_attention_kernel`), whose rows have
+    the slopes `slopes` and sit `tok` [R] int32 after the tile's first position
+    `first_pos` (`causal=False`: every row at kv_len). Returns the per-row slope in the
+    step's logit units (log2 units over `unit`), float32 [R]; the tile's anchor, int32
+    scalar; and per row `slope * (q_pos - anchor)` in log2 units, float32 [R].
+
+    `slope * (key_pos - q_pos)` is split into `slope * (key_pos - anchor)`, added to
+    each logit, and the per-row constant `-slope * (q_pos - anchor)`, which leaves the
+    softmax unchanged and is subtracted from the running max once at the end. The anchor
+    is the tile's first row's position (`causal=False`: kv_len, every row's q_pos), so
+    the terms stay small near the diagonal, where the weights are large.
+    """
+    slope = slopes * LOG2E
+    step_slope = slope / unit if unit != 1.0 else slope
+    if causal:
+        return step_slope, first_pos, slope * tok.astype(jnp.float32)
+    return step_slope, kv_len, jnp.zeros_like(slope)

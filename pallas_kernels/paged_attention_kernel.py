@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.alibi import alibi_tile_terms
 from pallas_kernels.paged_attention_tiling import KernelConfig
 
 LOG2E = math.log2(math.e)
@@ -38,10 +39,14 @@ LN2 = math.log(2.0)
 _M_INIT = -1e30
 
 
+def _dot_qk(q, k):
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    return plgpu.dot(q, k, trans_b=True, precision=precision)
+
+
 def _logits(q, k, cfg: KernelConfig):
     """Scaled (and soft-capped) logits in log2 units, float32 [R, block_kv]."""
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    s = plgpu.dot(q, k, trans_b=True, precision=precision)
+    s = _dot_qk(q, k)
     if cfg.soft_cap is None:
         return s * (cfg.scale * LOG2E)
     return jnp.tanh(s * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
@@ -56,8 +61,10 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     [L*K*N*B, D]; carry = (o [R, D] float32, running max m [R] and denominator [R]
     float32 in log2 units, page ids [keys_per_step]). With `prefetch_pages` the carry's
     page ids are this step's, loaded one step ahead so that the K/V gather does not wait
-    on the block-table load. `alibi` (with `cfg.alibi`): per row, the slope in log2
-    units and the query position of the bias, float32 and int32 [R].
+    on the block-table load. `alibi` (with `cfg.alibi`): per row, the slope in the
+    units of x, float32 [R], and the tile's anchor position (int32 scalar,
+    `alibi.alibi_tile_terms`). With `cfg.alibi_folded` x is the raw dot product plus
+    the bias over the scale, and `unit` = scale * log2(e) scales it inside exp2.
     """
     o, m, denom, pages = carry
     if cfg.prefetch_pages:
@@ -70,10 +77,10 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     # An edge step's keys past kv_len are padding: with mask_kv they are not fetched.
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
     k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok)
-    x = _logits(q, k, cfg)
-    if cfg.alibi:  # the position difference is exact in int32, then one rounding
-        slope, q_pos = alibi
-        x = x + slope[:, None] * (key_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
+    x = _dot_qk(q, k) if cfg.alibi_folded else _logits(q, k, cfg)
+    if cfg.alibi:  # slope * (key_pos - anchor): one multiply-add per logit
+        slope, anchor = alibi
+        x = x + slope[:, None] * (key_pos - anchor).astype(jnp.float32)[None, :]
     if cfg.heads_per_tile > 1:  # each row sees only its own head's keys
         x = jnp.where((kk // cfg.block_kv)[None, :] == row_head[:, None], x, -jnp.inf)
     if masked:
@@ -82,9 +89,15 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
         else:
             visible = key_pos[None, :] < kv_len
         x = jnp.where(visible, x, -jnp.inf)
-    m_new = jnp.maximum(m, x.max(axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(x - m_new[:, None])
+    if cfg.alibi_folded:  # (unit > 0: the max commutes with the scale)
+        unit = cfg.scale * LOG2E
+        m_new = jnp.maximum(m, x.max(axis=1) * unit)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(x * unit - m_new[:, None])
+    else:
+        m_new = jnp.maximum(m, x.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(x - m_new[:, None])
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else None
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return o * alpha[:, None] + pv, m_new, denom * alpha + p.sum(axis=1), nxt
@@ -186,8 +199,11 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg,
     )
     if cfg.alibi:
-        step = functools.partial(step, alibi=_alibi_rows(slopes_ref, kvh, row_head, g, pos,
-                                                         kv_len, cfg))
+        head = jnp.minimum((kvh + row_head) * cfg.group + g, cfg.num_heads - 1)
+        slope, anchor, row_shift = alibi_tile_terms(
+            slopes_ref[head], tok, first_pos, kv_len, causal=cfg.causal,
+            unit=cfg.scale * LOG2E if cfg.alibi_folded else 1.0)
+        step = functools.partial(step, alibi=(slope, anchor))
     carry = (
         jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
         jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),
@@ -200,6 +216,8 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         mid = jnp.clip(n_full, lo, hi)
         carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
         o, m, denom, _ = lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
+    if cfg.alibi:  # the running max of the true logits (the output does not move)
+        m = m - row_shift
 
     if cfg.dump_rows:  # unique rows for masked lanes: interpret stores are scatters
         row = jnp.where(row_ok, row, cfg.num_rows + r)
@@ -217,15 +235,6 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
     m_ref, denom_ref = stat_refs
     plgpu.store(m_ref.at[prow], m, mask=row_ok)
     plgpu.store(denom_ref.at[prow], denom, mask=row_ok)
-
-
-def _alibi_rows(slopes_ref, kvh, row_head, g, pos, kv_len, cfg: KernelConfig):
-    """Per tile row: its query head's slope in log2 units (padded group rows take a
-    valid head's) and its bias position (its own, or kv_len with `causal=False`)."""
-    head = jnp.minimum((kvh + row_head) * cfg.group + g, cfg.num_heads - 1)
-    slope = slopes_ref[head] * LOG2E
-    q_pos = pos if cfg.causal else jnp.full_like(pos, kv_len)
-    return slope, q_pos
 
 
 def combine_splits(o: jax.Array, m: jax.Array, denom: jax.Array, num_rows: int, dtype,

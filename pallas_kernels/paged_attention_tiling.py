@@ -145,6 +145,12 @@ class KernelConfig:
         return self.pages_per_step * self.block_size
 
     @property
+    def alibi_folded(self) -> bool:
+        """ALiBi's bias joins the raw dot product, scaled with it inside exp2's argument
+        (no soft cap, scale > 0): no more element-wise work per logit than without."""
+        return self.alibi and self.soft_cap is None and self.scale > 0
+
+    @property
     def keys_per_step(self) -> int:
         """Rows gathered per step: block_kv keys of each of the tile's KV heads."""
         return self.heads_per_tile * self.block_kv

@@ -198,12 +198,12 @@ def test_kernel_matches_dense_alibi(seqs, heads, kv_heads, max_q_len):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("max_q_len,knobs", [
-    (1, {"kv_splits": 2, "block_kv": 8}),  # decode, split key range
-    (1, {"kv_splits": 4, "block_kv": 8, "single_loop": True}),
-    (None, {"kv_splits": 3, "block_kv": 8}),  # prefill, split key range
-    (None, {"block_q": 16, "block_kv": 8, "mask_kv": False}),
-    (None, {"block_q": 32, "soft_cap": 5.0}),
+@pytest.mark.parametrize("max_q_len,knobs", [  # (16-key steps: the 16-bit dot's least)
+    (1, {"kv_splits": 2, "block_kv": 16}),  # decode, split key range
+    (1, {"kv_splits": 4, "block_kv": 16, "single_loop": True}),
+    (None, {"kv_splits": 3, "block_kv": 16}),  # prefill, split key range
+    (None, {"block_q": 16, "block_kv": 16, "mask_kv": False}),
+    (None, {"block_q": 32, "soft_cap": 5.0}),  # (the bias not folded into the scale)
 ])
 def test_kernel_alibi_splits_and_variants(max_q_len, knobs, dtype):
     seqs = MIXED + [(1, 64), (5, 41)]
@@ -252,7 +252,8 @@ def test_kernel_cached_prefix_equals_uncached_prefill(heads, kv_heads, max_q_len
     kw = dict(scale=SCALE, interpret=INTERPRET, alibi_slopes=slopes)
     full = paged_attention(**whole, **kw, block_sizes=BlockSizes(block_q=32))
     part = paged_attention(**cached, **kw, max_q_len=max_q_len)
-    np.testing.assert_allclose(part, full[-7:], rtol=1e-5, atol=1e-6)
+    # (other tiles, other float32 rounding: as close as two kernel tilings get)
+    np.testing.assert_allclose(part, full[-7:], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("max_q_len,kv_splits", [(1, 3), (None, 1), (None, 2)])
