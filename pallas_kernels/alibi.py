@@ -1,4 +1,6 @@
-"""ALiBi (attention with linear biases): the per-head slopes and the bias contract.
+"""ALiBi (attention with linear biases) in the kernels: the bias contract, the check of the
+slopes a call passes, and the kernel's per-tile bias terms. The slopes themselves are the
+model's (`models.alibi.alibi_slopes`: the caller passes them as an [H] float32 array).
 
 With slopes, every attention op here adds `slope_h * (k_pos - q_pos)` to the scaled (and
 soft-capped) logit of query head h at absolute position q_pos against the key at cache
@@ -11,35 +13,8 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import numpy as np
 
 LOG2E = math.log2(math.e)
-
-
-def _pow2_slopes(n: int) -> list[float]:
-    """The ALiBi paper's slopes for a power-of-2 head count n: the geometric sequence
-    2^(-8/n), 2^(-16/n), ..., 2^(-8)."""
-    return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi slope of each query head, float32 [num_heads].
-
-    A power-of-2 head count takes `_pow2_slopes`. Otherwise (Baichuan2-13B's 40 heads)
-    the heads take the slopes of the closest lower power of 2, p, then the first
-    num_heads - p of every other slope (the 1st, 3rd, ...) of 2p heads, as the ALiBi
-    paper and Baichuan2's modeling file define them. Computed in float64, then rounded.
-    Raises ValueError for a head count < 1.
-    """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) \
-            or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
-    n = int(num_heads)
-    p = 1 << (n.bit_length() - 1)  # the largest power of 2 <= n
-    slopes = _pow2_slopes(p)
-    if p != n:
-        slopes += _pow2_slopes(2 * p)[0::2][: n - p]
-    return np.asarray(slopes, np.float32)
 
 
 def check_slopes(alibi_slopes, num_heads: int) -> None:

@@ -24,7 +24,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.alibi import alibi_slopes
+from models.alibi import alibi_slopes
 from pallas_kernels.paged_attention import paged_attention_reference
 from scripts.bench_write_kv import bench_write_kv
 from scripts.kernel_timing import (

@@ -13,7 +13,7 @@ import pytest
 from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
 from test_paged_attention import INTERPRET, MIXED, TOL, make_batch, rel_err
 
-from pallas_kernels.alibi import alibi_slopes
+from models.alibi import alibi_slopes
 from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
 from pallas_kernels.paged_attention import (
     mixed_paged_attention,

