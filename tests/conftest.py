@@ -28,3 +28,15 @@ def sharp_tiny():
     lp = tiny.params.layers
     sharp = dataclasses.replace(lp, wq=lp.wq * 8, wk=lp.wk * 8, wv=lp.wv * 8, wo=lp.wo * 8)
     return dataclasses.replace(tiny, params=dataclasses.replace(tiny.params, layers=sharp))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jax's compiled programs after each test module: the suite compiles thousands
+    of interpret-mode kernels and engine steps, and keeping them all in one process grows
+    its memory without bound (the tests never reuse another module's programs)."""
+    yield
+    import sys
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
