@@ -54,24 +54,22 @@ def default_backend() -> str:
 
 def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, layer, batch,
                scale, alibi_slopes=None):
-    # the keyword only for ALiBi models: a RoPE model's call is the kernels' plain one
-    bias = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
             batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
             batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1, **bias,
+            use_reference=backend == "xla", max_q_len=1, alibi_slopes=alibi_slopes,
         )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
-        return paged_attention_reference(*args, scale=scale, **bias)
+        return paged_attention_reference(*args, scale=scale, alibi_slopes=alibi_slopes)
     interpret = backend == "pallas-interpret"
     if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
-                                     interpret=interpret, **bias)
+                                     interpret=interpret, alibi_slopes=alibi_slopes)
     return paged_attention(*args, scale=scale, interpret=interpret,
-                           max_q_len=1 if decode else None, **bias)
+                           max_q_len=1 if decode else None, alibi_slopes=alibi_slopes)
 
 
 def _one_device_pallas(backend: str, mesh: Mesh | None) -> bool:
