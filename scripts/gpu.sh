@@ -103,7 +103,7 @@ job_hf() {
 }
 job_b() {
   run b_policies 300 python3 scripts/bench_throughput.py "${M[@]}" --num-prompts 256 \
-    --num-prefixes 32 --input-len 1088 --prefix-len 1024 --output-len 64 --num-kv-blocks 3072 \
+    --num-prefixes 32 --input-len 1088 --prefix-len 1024 --output-len 64 --num-kv-blocks 1024 \
     --policy fcfs greedy:max_wait=120 lpm:max_wait=120 --output-json "$OUT/b_policies.json"
 }
 job_c() {
