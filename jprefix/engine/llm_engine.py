@@ -205,8 +205,8 @@ class LLMEngine:
             return self._collect(finished)
 
     def _sync_structured(self) -> list[Sequence]:
-        """While a structured request is live, processes the step in flight before the
-        next is scheduled: a grammar's mask needs every token sampled before it."""
+        """Processes the step in flight before the next is scheduled when it samples a
+        structured request's token: that request's next mask needs it."""
         if self._inflight is None or not self.structured.needs_sync():
             return []
         done, self._inflight = self._inflight, None

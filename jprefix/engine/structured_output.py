@@ -7,9 +7,9 @@ grammar (`bitmasks`: bit t of row r, word t // 32, allows token t), and feeds ev
 sampled token back to its matcher (`accept`), finishing a request whose grammar is
 complete. The device applies the bitmask before sampling (`jprefix.worker.structured`).
 
-A mask depends on every token sampled before it, so while any structured request is
-live the engine processes the step in flight before scheduling the next one
-(`needs_sync`); steps without one keep async scheduling.
+A mask depends on every token sampled before it, so while a structured request's token
+is in flight the engine processes that step before scheduling the next one
+(`needs_sync`); otherwise steps keep async scheduling.
 
 llguidance: a Rust grammar engine with no Python dependencies (JSON Schema incl. patterns,
 nested objects and $ref, regexes and Lark grammars); it builds each grammar's lexer
@@ -105,8 +105,9 @@ class StructuredOutputManager:
             self._active.add(seq)
 
     def needs_sync(self) -> bool:
-        """Whether a structured request is live (the next mask needs the last token)."""
-        return bool(self._active)
+        """Whether a structured request's newest token is still in flight (its next mask
+        needs it)."""
+        return any(seq.num_pending for seq in self._active)
 
     def bitmasks(self, scheduled: Any) -> dict[Sequence, np.ndarray] | None:
         """Each sampling structured row's allowed tokens ([words] int32), or None when
