@@ -61,6 +61,7 @@ class StructuredOutputManager:
         self.words = bitmask_words(vocab_size)
         self._hf_tokenizer, self._eos = tokenizer, list(eos_token_ids)
         self._ll_tokenizer: Any = None
+        self._executor: Any = None  # llguidance's thread pool for many rows' masks
         self._lock = threading.Lock()
         self._matchers: weakref.WeakKeyDictionary[Sequence, Any] = weakref.WeakKeyDictionary()
         self._active: set[Sequence] = set()  # matchers of sequences in the scheduler
@@ -120,8 +121,15 @@ class StructuredOutputManager:
         if not rows:
             return None
         masks = np.empty((len(rows), self.words), np.int32)
-        for i, seq in enumerate(rows):
-            lln.fill_next_token_bitmask(self._matchers[seq], masks, i)
+        if len(rows) == 1:
+            lln.fill_next_token_bitmask(self._matchers[rows[0]], masks, 0)
+        else:  # rows in parallel, in llguidance's threads (outside the GIL)
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor()
+            lln.fill_next_token_bitmask_par(
+                self._executor, [(self._matchers[s], i) for i, s in enumerate(rows)], masks)
         return dict(zip(rows, masks, strict=True))
 
     def accept(self, scheduled: Any, tokens: list[int]) -> list[Sequence]:
