@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jprefix.core.outputs import CompletionOutput, RequestOutput
     from jprefix.core.sampling_params import SamplingParams
+    from jprefix.core.structured_outputs import StructuredOutputsParams
     from jprefix.engine.args import EngineArgs
     from jprefix.engine.llm_engine import LLMEngine
     from jprefix.entrypoints.llm import LLM, generate, load
@@ -28,6 +29,7 @@ _EXPORTS = {
     "CompletionOutput": "jprefix.core.outputs",
     "RequestOutput": "jprefix.core.outputs",
     "SamplingParams": "jprefix.core.sampling_params",
+    "StructuredOutputsParams": "jprefix.core.structured_outputs",
     "LoadedModel": "models.loader",
     "load": "jprefix.entrypoints.llm",
 }
@@ -40,6 +42,7 @@ __all__ = [
     "LoadedModel",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "generate",
     "load",
 ]

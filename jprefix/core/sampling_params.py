@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from jprefix.core.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +24,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    # the grammar the output must follow (json schema, json_object, regex or choice)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,5 +64,9 @@ class SamplingParams:
                                       or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")

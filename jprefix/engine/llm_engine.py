@@ -25,6 +25,8 @@ from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.output_processor import OutputProcessor
+from jprefix.engine.stats import EngineStats
+from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker import xla_flags
 from jprefix.worker.model_runner import ModelRunner, StepHandle
 from jprefix.worker.pack import BucketConfig
@@ -111,6 +113,9 @@ class LLMEngine:
         self.inputs = InputProcessor(model.tokenizer, model.name, cfg.vocab_size,
                                      self.max_model_len, self.args.seed)
         self.outputs = OutputProcessor(model.tokenizer)
+        self.structured = StructuredOutputManager(model.tokenizer, cfg.vocab_size,
+                                                  tuple(cfg.eos_token_ids))
+        self.stats = EngineStats()
         self.cascade_planner = CascadePlanner(
             self.args.block_size, self.scheduler.block_manager.ref_count,
             self.args.cascade_min_group, self.args.cascade_min_blocks)
@@ -143,9 +148,12 @@ class LLMEngine:
     def make_sequence(self, prompt: Any, sampling_params: SamplingParams | None = None,
                       prefix_len: int | None = None, request_id: str | None = None,
                       cache_salt: str | None = None) -> Sequence:
-        """Validates one request and builds its Sequence (`InputProcessor.make_sequence`)."""
-        return self.inputs.make_sequence(prompt, sampling_params, prefix_len, request_id,
-                                         cache_salt)
+        """Validates one request and builds its Sequence (`InputProcessor.make_sequence`);
+        compiles its grammar, if it has one (`StructuredOutputManager.prepare`)."""
+        seq = self.inputs.make_sequence(prompt, sampling_params, prefix_len, request_id,
+                                        cache_salt)
+        self.structured.prepare(seq)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queues a validated sequence; thread-safe, takes effect at the next step."""
@@ -171,12 +179,14 @@ class LLMEngine:
         finished (or were aborted, or can never fit) in what it processed."""
         with self._step_lock:
             t0 = time.perf_counter()
-            finished = self._drain_queues()
+            finished = self._drain_queues() + self._sync_structured()
             out = self.scheduler.schedule()
+            self.stats.record_schedule(out)
             finished += out.ignored
             launched = None
             if out.scheduled:
-                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out))
+                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out),
+                                              self.structured.bitmasks(out.scheduled))
                 launched = _InFlight(out, handle, t0, time.perf_counter())
             if self.args.async_scheduling:
                 done, self._inflight = self._inflight, launched
@@ -194,6 +204,14 @@ class LLMEngine:
                 self.cascade_planner.forget()  # nothing decodes: hold no finished sequence
             return self._collect(finished)
 
+    def _sync_structured(self) -> list[Sequence]:
+        """Processes the step in flight before the next is scheduled when it samples a
+        structured request's token: that request's next mask needs it."""
+        if self._inflight is None or not self.structured.needs_sync():
+            return []
+        done, self._inflight = self._inflight, None
+        return self._process(done)
+
     def _cascade_plan(self, out: SchedulerOutput) -> CascadePlan | None:
         """The step's cascade grouping, when cascade attention is on (read every step)."""
         if not (self.args.enable_cascade and self.args.enable_prefix_caching):
@@ -205,8 +223,13 @@ class LLMEngine:
         """Fetches a dispatched step's tokens and applies them; returns who finished."""
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
-        finished = self.scheduler.update(done.out, tokens.tolist())
+        tokens = tokens.tolist()
+        finished = self.scheduler.update(done.out, tokens)
+        for seq in self.structured.accept(done.out.scheduled, tokens):  # grammar complete
+            self.scheduler.finish(seq, "stop")
+            finished.append(seq)
         finished += self.outputs.check_stop_strings(self.scheduler.finish)
+        self.stats.record_tokens(done.out)
         self._record(done, t_fetched)
         return finished
 
@@ -230,6 +253,7 @@ class LLMEngine:
             self._live[seq.request_id] = seq
             self.scheduler.add(seq)
             self.outputs.add(seq)
+            self.structured.admit(seq)
         aborted = []
         while self._aborts:
             seq = self._live.get(self._aborts.popleft())
@@ -240,4 +264,6 @@ class LLMEngine:
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         for seq in finished:
             self._live.pop(seq.request_id, None)
+        self.structured.forget(finished)
+        self.stats.record_finished(finished)
         return self.outputs.outputs(finished)

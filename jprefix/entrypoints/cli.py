@@ -7,13 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+from jprefix.entrypoints.cli_args import DTYPES, add_engine_args
+
 DEFAULT_SYSTEM = (
     "You are a helpful, concise assistant for a company's customer-service team. Answer in "
     "one or two sentences, stay polite, never invent order numbers, and when you are unsure "
     "say so and suggest contacting a human agent. Our store sells books, music and games, "
     "ships worldwide within five business days, and accepts returns within thirty days."
 )
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
 DTYPE_HELP = "auto: float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator"
 # (openai_server imports fastapi, which `jprefix generate` does not need)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -45,8 +46,6 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
-    srv.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
-    srv.add_argument("--load-format", default="auto")
     srv.add_argument("--served-model-name", default=None,
                      help="the name requests' `model` must carry (default: --model)")
     srv.add_argument("--host", default="127.0.0.1")
@@ -55,29 +54,16 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="require Authorization: Bearer <key> (default: $JPREFIX_API_KEY)")
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get HTTP 413")
-    srv.add_argument("--block-size", type=int, default=16)
-    srv.add_argument("--max-model-len", type=int, default=None,
-                     help="context length (default: the model's, capped to the KV cache)")
-    srv.add_argument("--num-kv-blocks", type=int, default=None)
-    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                     default=True)
-    srv.add_argument("--tensor-parallel-size", type=int, default=1)
-    srv.add_argument("--max-num-seqs", type=int, default=256)
-    srv.add_argument("--policy", default="fcfs")
+    add_engine_args(srv)
     return parser
 
 
 def run_serve(args) -> int:
     from jprefix import LLM
+    from jprefix.entrypoints.cli_args import engine_kwargs
     from jprefix.entrypoints.openai_server import serve
 
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-              load_format=args.load_format, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, policy=args.policy,
-              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=args.enable_prefix_caching)
+    llm = LLM(args.model, **engine_kwargs(args))
     serve(llm, args.host, args.port, model_name=args.served_model_name or args.model,
           api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     return 0

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models;
+/stats, /metrics (Prometheus), /tokenize, /detokenize (`info_routes`).
 
 Every error is OpenAI's error JSON (`protocol.error_response`) with a message naming the
 bad value; the engine keeps serving everyone else. A request body over `max_request_bytes`
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from jprefix.entrypoints.info_routes import add_info_routes
 from jprefix.entrypoints.llm import LLM
 from jprefix.entrypoints.protocol import (
     ChatRequest,
@@ -104,11 +106,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "jprefix",
                                             "max_model_len": llm.engine.max_model_len}]}
 
-    @app.get("/stats")
-    async def stats() -> dict[str, Any]:
-        s = llm.prefix_pool.stats()
-        return {k: getattr(s, k) for k in dir(s) if not k.startswith("_")
-                and isinstance(getattr(s, k), int | float)}
+    add_info_routes(app, llm, name, _check_model)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -147,7 +145,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _http_error(request, exc: HTTPException):
         if exc.status_code == 404:
             message = f"no route {request.url.path}: see /v1/models, /v1/completions, " \
-                      "/v1/chat/completions, /health"
+                      "/v1/chat/completions, /tokenize, /detokenize, /stats, /metrics, /health"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:

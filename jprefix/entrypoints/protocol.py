@@ -20,11 +20,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
     "echo": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "min_p": (None, 0), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "functions": (None, []), "function_call": (None, "none"), "n": (None, 1),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),
+    "guided_grammar": (None,),
 }
 
 
@@ -98,6 +97,12 @@ class _Request(BaseModel):
     user: str | None = None  # OpenAI's end-user id: an opaque label, no effect on sampling
     prefix_pos: int | None = None  # extension: the shareable prompt prefix
     cache_salt: str | None = None  # extension: requests share cached blocks only per salt
+    # structured output (`entrypoints.guided` reads them): OpenAI's and vLLM's fields
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="before")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jprefix.core.outputs import RequestOutput
 from jprefix.engine.detokenizer import IncrementalDetokenizer
 from jprefix.engine.input_processor import render_chat
+from jprefix.entrypoints.guided import FIELDS, grammar_error, structured_params
 from jprefix.entrypoints.llm import LLM
 from jprefix.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError
 
@@ -85,8 +87,14 @@ async def serve_request(llm: LLM, name: str, req: CompletionRequest | ChatReques
     if chat and req.max_tokens is None:  # the rest of the context, as OpenAI and vLLM
         default = max(1, llm.engine.max_model_len - len(prompt))
     sp = req.sampling_params(default)
+    grammar, field = structured_params({k: getattr(req, k) for k in FIELDS})
+    if grammar is not None:
+        sp = dataclasses.replace(sp, structured_outputs=grammar)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    seq = await llm.make_sequence_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
+    try:
+        seq = await llm.make_sequence_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
+    except ValueError as exc:
+        raise grammar_error(exc, field) if field is not None else exc from None
     if req.stream:  # validated by now, before the stream's 200 is sent
         events = _stream_events(llm, name, rid, llm.stream_sequence(seq), sp.stop, chat,
                                 req.include_usage)

@@ -23,6 +23,7 @@ from jprefix.worker.input_batch import StepPacker
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import REPLICATED, kv_sharding, shard_params
 from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
+from jprefix.worker.structured import place_bitmask
 from models.config import ModelConfig
 from models.layout import fuse_projections, unstack_layers
 
@@ -175,9 +176,11 @@ class ModelRunner:
             self._last_launch.result()
         return self._kv_cache
 
-    def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None) -> StepHandle:
+    def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None,
+                 token_masks: dict[Any, np.ndarray] | None = None) -> StepHandle:
         """Packs one step and queues its launch without waiting for either the launch or
-        the device; `fetch` gets its tokens.
+        the device; `fetch` gets its tokens. `token_masks`: the allowed tokens (packed
+        bitmask words) of the sequences whose sampling follows a grammar.
 
         A row whose newest token is pending reads it from the previous dispatch's
         output (the packer keeps where each sampled token sits).
@@ -187,6 +190,8 @@ class ModelRunner:
             raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
         rows, (flat, layout, batch), order, kind = self.packer.pack(scheduled, plan)
         greedy = not batch["temperature"].any()
+        bitmask = None if not token_masks else place_bitmask(
+            rows, token_masks, len(batch["logits_idx"]), next(iter(token_masks.values())).size)
         self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape,
                               kind.decode, kind.cascade, kind.num_decode > 0))
 
@@ -198,7 +203,7 @@ class ModelRunner:
             try:
                 flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
                 tokens, self._kv_cache = step(
-                    self.params, self._kv_cache, flat_in, self._last_tokens,
+                    self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
                     layout=layout, cfg=self.cfg, backend=self.backend, decode=kind.decode,
                     greedy=greedy, cascade=kind.cascade, mesh=self.mesh)
                 # Queue the copy to the host now, so the tokens may be on the host already

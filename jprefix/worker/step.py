@@ -24,6 +24,7 @@ from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.parallel import per_shard
 from jprefix.worker.sampler import sample
+from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
 from models.config import ModelConfig
 from models.llama import (
@@ -126,7 +127,8 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     donate_argnames=("kv_cache",),
     compiler_options=xla_flags.step_compiler_options(),
 )
-def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
+def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
+         token_bitmask: jax.Array | None = None, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
          greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None):
     """One engine step: returns (sampled token ids [P], updated kv_cache), P =
@@ -139,6 +141,9 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
     `greedy` (every temperature is 0) skips the sampling machinery. `cascade` (the batch
     carries a cascade plan's arrays) attends each group's shared prefix once. With a
     tensor-parallel `mesh`, the KV write and attention run per device on its heads.
+    `token_bitmask` ([S, ceil(V / 32)] int32, S the batch's rows; `worker.structured`)
+    masks the logits of grammar-constrained rows before sampling; None (a step without
+    structured rows) traces no mask.
     """
     batch = unflatten_batch(flat, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -164,6 +169,8 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
                                _linear(backend, mesh),
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     if greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:

@@ -1,0 +1,91 @@
+"""EngineStats: the engine's request and token counters and latency histograms (host).
+
+Plain Python numbers, updated on the engine thread and read by anyone (the server's
+/metrics exports them under vLLM's names: `jprefix.entrypoints.metrics`). Times are
+`time.monotonic()` seconds, as a Sequence's `arrival_time`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import time
+import weakref
+from collections.abc import Iterable
+
+from jprefix.core.scheduler import SchedulerOutput
+from jprefix.core.sequence import Sequence
+
+# vLLM's bucket bounds (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """Observations counted per bucket: `counts[i]` is the number of values <= bounds[i]
+    and > bounds[i - 1]; `counts[-1]` those above every bound (+Inf)."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, observations <= it) pairs, ending with ("+Inf", count)."""
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+class EngineStats:
+    """Counters since the engine started: prompt tokens (counted when a request's first
+    token is sampled), generated tokens, preemptions, finished requests by finish
+    reason; histograms of time to first token, inter-token latency and end-to-end
+    latency."""
+
+    def __init__(self):
+        self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
+        self.finished: collections.Counter[str] = collections.Counter()
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self._last_token: weakref.WeakKeyDictionary[Sequence, float] = \
+            weakref.WeakKeyDictionary()
+
+    def record_schedule(self, out: SchedulerOutput) -> None:
+        self.num_preemptions += len(out.preempted)
+
+    def record_tokens(self, out: SchedulerOutput) -> None:
+        """After a step's tokens are applied: one generated token per sampling row of a
+        live sequence."""
+        now = time.monotonic()
+        for sc in out.scheduled:
+            seq = sc.seq
+            if not sc.sample or seq.finish_reason == "abort":
+                continue
+            last = self._last_token.get(seq)
+            if last is None:
+                self.ttft.observe(now - seq.arrival_time)
+                self.prompt_tokens += seq.num_prompt_tokens
+            else:
+                self.itl.observe(now - last)
+            self._last_token[seq] = now
+            self.generation_tokens += 1
+
+    def record_finished(self, seqs: Iterable[Sequence]) -> None:
+        now = time.monotonic()
+        for seq in seqs:
+            self.finished[seq.finish_reason or "abort"] += 1
+            self.e2e.observe(now - seq.arrival_time)
+            self._last_token.pop(seq, None)

@@ -1,0 +1,60 @@
+"""`jprefix serve`'s engine flags: one per EngineArgs field, named as vLLM names them
+(`max_model_len` -> `--max-model-len`; a bool -> `--flag/--no-flag`), so a field added to
+EngineArgs is a flag at once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from jprefix.engine.args import EngineArgs
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+HELP = {
+    "dtype": "auto: float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator",
+    "load_format": "auto, safetensors, gguf or dummy (random weights)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (default: sized from --gpu-memory-utilization)",
+    "gpu_memory_utilization": "fraction of free device memory the KV cache may take",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens in one step",
+    "max_model_len": "context length (default: the model's, capped to the KV cache)",
+    "enable_prefix_caching": "share the KV blocks of common prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "policy": "waiting-queue policy: fcfs, lpm or greedy",
+    "attention_backend": "pallas, xla or pallas-interpret (default: pallas on GPU)",
+    "unroll_layers": "per-layer weight buffers (default: on GPU)",
+    "enable_cascade": "decode attends each shared prefix once per group",
+    "cascade_min_group": "sequences sharing a prefix before cascade attention groups them",
+    "cascade_min_blocks": "shared blocks before cascade attention groups them",
+    "async_scheduling": "schedule step N+1 while step N runs on the device",
+    "seed": "seed of requests that give none",
+    "tensor_parallel_size": "devices the weights and KV heads are split over",
+    "cpu_num_kv_blocks": "KV-cache blocks where device memory cannot be measured (CPU)",
+    "fixed_inputs": "step inputs in device buffers refilled in place (default: where XLA "
+                    "records command buffers)",
+}
+_TYPES: dict[str, Any] = {"int": int, "int | None": int, "float": float, "float | None": float,
+                          "str": str, "str | None": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, its default the field's."""
+    for f in dataclasses.fields(EngineArgs):
+        flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
+        kwargs: dict[str, Any] = {"default": f.default, "help": HELP.get(f.name)}
+        if kind in ("bool", "bool | None"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind in _TYPES:
+            kwargs["type"] = _TYPES[kind]
+        else:
+            raise TypeError(f"EngineArgs.{f.name}: no command-line type for {kind!r}")
+        if f.name == "dtype":
+            kwargs["choices"] = DTYPES
+        parser.add_argument(flag, **kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine flags as EngineArgs' (and so LLM's) keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}

@@ -1,0 +1,110 @@
+"""The server's view of the engine: /stats (JSON) and /metrics (Prometheus text).
+
+Both read one `engine_snapshot`, so at rest they agree number for number. /metrics uses
+vLLM's metric names (`vllm:...`, each labelled with `model_name`) through
+`prometheus-client`: counters (prompt and generation tokens, finished requests by
+`finished_reason`, preemptions, prefix-cache queries and hits in tokens), gauges
+(running and waiting requests, KV-cache usage as a fraction) and histograms (time to
+first token, inter-token latency, end-to-end latency; `engine.stats.EngineStats`).
+Values are read at scrape time from the engine's own counters (no second bookkeeping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from jprefix.entrypoints.llm import LLM
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def engine_snapshot(llm: LLM) -> dict[str, Any]:
+    """Requests, blocks and prefix-cache counters now. Blocks: `num_total_blocks` usable
+    (block 0 is the null block) = `num_used_blocks` (held by requests or pinned) +
+    `num_free_blocks` (allocatable, `num_evictable_blocks` of them still cached);
+    `num_cached_blocks` are prefix-trie blocks, in use or evictable."""
+    engine = llm.engine
+    sched, blocks = engine.scheduler, engine.scheduler.block_manager
+    pool = sched.prefix_pool.stats()
+    total = blocks.num_blocks - 1
+    return {
+        "num_requests_running": len(sched.running),
+        "num_requests_waiting": len(sched.waiting),
+        "num_total_blocks": total,
+        "num_used_blocks": blocks.num_used_blocks,
+        "num_free_blocks": blocks.num_free_blocks,
+        "num_cached_blocks": pool.num_cached_blocks,
+        "num_evictable_blocks": pool.num_evictable_blocks,
+        "kv_cache_usage": blocks.num_used_blocks / total,
+        "num_queried_tokens": pool.num_queried_tokens,
+        "num_hit_tokens": pool.num_hit_tokens,
+        "hit_rate": pool.hit_rate,
+        "num_preemptions": engine.stats.num_preemptions,
+        "prompt_tokens": engine.stats.prompt_tokens,
+        "generation_tokens": engine.stats.generation_tokens,
+        "num_finished_requests": dict(engine.stats.finished),
+    }
+
+
+class EngineCollector:
+    """A prometheus-client collector reading `engine_snapshot` and the histograms."""
+
+    def __init__(self, llm: LLM, model_name: str):
+        self.llm, self.name = llm, model_name
+
+    def _family(self, kind: type, name: str, doc: str, value: float) -> Any:
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric([self.name], value)
+        return family
+
+    def collect(self):
+        s, stats = engine_snapshot(self.llm), self.llm.engine.stats
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "vllm:num_requests_running", "Requests in model execution "
+                           "batches.", s["num_requests_running"])
+        yield self._family(g, "vllm:num_requests_waiting", "Requests waiting to be "
+                           "processed.", s["num_requests_waiting"])
+        yield self._family(g, "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 "
+                           "percent usage.", s["kv_cache_usage"])
+        yield self._family(c, "vllm:prefix_cache_queries", "Prefix cache queries, in "
+                           "prompt tokens queried.", s["num_queried_tokens"])
+        yield self._family(c, "vllm:prefix_cache_hits", "Prefix cache hits, in prompt "
+                           "tokens served from the cache.", s["num_hit_tokens"])
+        yield self._family(c, "vllm:num_preemptions", "Cumulative number of preemptions.",
+                           s["num_preemptions"])
+        yield self._family(c, "vllm:prompt_tokens", "Prefill tokens processed.",
+                           s["prompt_tokens"])
+        yield self._family(c, "vllm:generation_tokens", "Generation tokens processed.",
+                           s["generation_tokens"])
+        success = c("vllm:request_success", "Finished requests, by finish reason.",
+                    labels=["model_name", "finished_reason"])
+        for reason in sorted(set(FINISH_REASONS) | set(stats.finished)):
+            success.add_metric([self.name, reason], stats.finished.get(reason, 0))
+        yield success
+        for name, doc, hist in (
+                ("vllm:time_to_first_token_seconds", "Time to first token.", stats.ttft),
+                ("vllm:inter_token_latency_seconds", "Time between tokens.", stats.itl),
+                ("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                 stats.e2e)):
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.name], hist.cumulative(), sum_value=hist.sum)
+            yield family
+
+
+def metrics_registry(llm: LLM, model_name: str) -> CollectorRegistry:
+    """A registry of its own per app (several servers in one process don't collide)."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(llm, model_name))
+    return registry
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
