@@ -63,3 +63,26 @@ def test_cli_generate_prints_outputs_and_cache_table(capsys):
     assert "served from prefix cache" in printed and "hit rate" in printed
     served = int(next(ln for ln in printed.splitlines() if "served from" in ln).split()[-1])
     assert served > 0  # the second prompt reused the system prompt's blocks
+
+
+def test_smollm2_stop_strings_wait_for_min_tokens(smol):
+    """A stop string in the first `min_tokens` tokens' text does not stop the request (as
+    stop token ids do not); the server's stream cuts the same text."""
+    from jprefix.entrypoints.serving import TextStream
+
+    llm = LLM(smol, num_kv_blocks=64)
+    prompt = ["The capital of France is"]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    first = smol.tokenizer.decode(free.token_ids[:1], skip_special_tokens=True).strip()
+    assert first, free.text
+    early = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[first]),
+                         use_tqdm=False)[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    gated = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
+                                                stop=[first]), use_tqdm=False)[0]
+    assert len(gated.token_ids) >= 6 and gated.token_ids[:6] == free.token_ids[:6]
+    assert gated.text == free.text[: len(gated.text)] and first in gated.text[:len(free.text)]
+    for min_tokens, final in ((0, early), (6, gated)):
+        stream = TextStream(smol.tokenizer, [first], min_tokens)
+        sent = "".join(stream.push([t]) for t in final.token_ids) + stream.finish(final.text)
+        assert sent == final.text, (min_tokens, sent, final.text)

@@ -32,7 +32,9 @@ class OutputProcessor:
 
     def check_stop_strings(self, finish: Callable[[Sequence, str], None]) -> list[Sequence]:
         """Finishes (`finish(seq, "stop")`) the watched requests whose output grew and whose
-        text now contains a stop string, keeping the text before it; returns them."""
+        text now contains a stop string, keeping the text before it; returns them. Before
+        `min_tokens` output tokens no stop string is looked for, and one that ends in the
+        text of those tokens never stops the request (vLLM's rule)."""
         finished = []
         for seq in self._watched:
             stops = seq.sampling_params.stop
@@ -43,8 +45,8 @@ class OutputProcessor:
             if det is None:
                 det = seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
             delta = det.push(seq.all_token_ids[seen:])  # the tokens it has not seen
-            if not delta:
-                continue
+            if not delta or seq.num_output_tokens < seq.sampling_params.min_tokens:
+                continue  # (stop strings count only from min_tokens on, as stop ids do)
             since = max(0, len(det.text) - len(delta) - max(map(len, stops)) + 1)
             hits = [i for i in (det.text.find(s, since) for s in stops) if i >= 0]
             if hits:

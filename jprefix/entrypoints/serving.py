@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jprefix.core.outputs import RequestOutput
+from jprefix.core.sampling_params import SamplingParams
 from jprefix.engine.detokenizer import IncrementalDetokenizer
 from jprefix.engine.input_processor import render_chat
 from jprefix.entrypoints.guided import FIELDS, grammar_error, structured_params
@@ -33,15 +34,17 @@ class TextStream:
     string found, and short of the last `len(longest stop) - 1` characters (a stop string
     starting there may still complete)."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]):
+    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0):
         self.detokenizer, self.sent, self.stop = IncrementalDetokenizer(tokenizer), "", stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.cut: int | None = None  # where the first stop string starts, once seen
+        self.min_tokens, self.num_tokens = min_tokens, 0  # stops count from min_tokens on
 
     def push(self, ids: list[int]) -> str:
         self.detokenizer.push(ids)
+        self.num_tokens += len(ids)
         text = self.detokenizer.text
-        if self.cut is None and self.stop:
+        if self.cut is None and self.stop and self.num_tokens >= self.min_tokens:
             since = max(0, len(self.sent) - self.hold)
             hits = [i for i in (text.find(s, since) for s in self.stop) if i >= 0]
             self.cut = min(hits) if hits else None
@@ -96,7 +99,7 @@ async def serve_request(llm: LLM, name: str, req: CompletionRequest | ChatReques
     except ValueError as exc:
         raise grammar_error(exc, field) if field is not None else exc from None
     if req.stream:  # validated by now, before the stream's 200 is sent
-        events = _stream_events(llm, name, rid, llm.stream_sequence(seq), sp.stop, chat,
+        events = _stream_events(llm, name, rid, llm.stream_sequence(seq), sp, chat,
                                 req.include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
     out = await until_disconnected(request, llm.generate_sequence(seq))
@@ -143,9 +146,9 @@ def _response(name: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
 
 
 async def _stream_events(llm: LLM, name: str, rid: str, items: AsyncIterator,
-                         stop: list[str], chat: bool, include_usage: bool
+                         sp: SamplingParams, chat: bool, include_usage: bool
                          ) -> AsyncIterator[str]:
-    text = TextStream(llm.tokenizer, stop)
+    text = TextStream(llm.tokenizer, sp.stop, sp.min_tokens)
     head = {"id": rid, "object": "chat.completion.chunk" if chat else
             "text_completion", "created": int(time.time()), "model": name}
 
