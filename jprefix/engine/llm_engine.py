@@ -24,6 +24,7 @@ from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.input_processor import InputProcessor
+from jprefix.engine.logprobs import attach_logprobs
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.worker import xla_flags
 from jprefix.worker.model_runner import ModelRunner, StepHandle
@@ -206,6 +207,10 @@ class LLMEngine:
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
         finished = self.scheduler.update(done.out, tokens.tolist())
+        positions = getattr(done.handle, "prompt_positions", None)
+        if positions is not None:  # (an extra step: logits processing or logprobs)
+            attach_logprobs(done.out.scheduled, self.runner.fetch_logprobs(done.handle),
+                            positions)
         finished += self.outputs.check_stop_strings(self.scheduler.finish)
         self._record(done, t_fetched)
         return finished
