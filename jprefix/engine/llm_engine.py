@@ -26,6 +26,7 @@ from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.logprobs import attach_logprobs
 from jprefix.engine.output_processor import OutputProcessor
+from jprefix.engine.parallel_sampling import SampleGroup, fan_out
 from jprefix.worker import xla_flags
 from jprefix.worker.model_runner import ModelRunner, StepHandle
 from jprefix.worker.pack import BucketConfig
@@ -148,8 +149,20 @@ class LLMEngine:
         return self.inputs.make_sequence(prompt, sampling_params, prefix_len, request_id,
                                          cache_salt)
 
+    def make_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                     prefix_len: int | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> SampleGroup:
+        """Validates one request and builds the sequences that generate it: one, or one
+        per sample when it draws several (`n` > 1 or `best_of`; `parallel_sampling`)."""
+        return fan_out(self.make_sequence(prompt, sampling_params, prefix_len, request_id,
+                                          cache_salt))
+
     def add_sequence(self, seq: Sequence) -> None:
         """Queues a validated sequence; thread-safe, takes effect at the next step."""
+        if seq.sampling_params is not None and seq.sampling_params.num_samples > 1:
+            raise ValueError(f"request {seq.request_id!r} draws "
+                             f"{seq.sampling_params.num_samples} samples: queue the "
+                             "sequences of make_request instead")
         self._pending.append(seq)
 
     def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
