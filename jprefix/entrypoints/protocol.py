@@ -181,7 +181,7 @@ class CompletionRequest(_Request):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_UNSUPPORTED
     prompt: Any = None
     logprobs: int | None = None  # top-k logprobs per token (OpenAI: at most 5; here 20)
-    echo: bool = False  # the prompt before the completion (with its logprobs if asked)
+    echo: bool | None = None  # the prompt before the completion (its logprobs if asked)
     prompt_logprobs: int | None = None  # vLLM's extension: top-k per prompt token
 
     def _logprob_params(self) -> dict[str, int | None]:
@@ -216,7 +216,7 @@ class ChatRequest(_Request):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False  # each output token's logprob ...
+    logprobs: bool | None = None  # each output token's logprob ...
     top_logprobs: int | None = None  # ... with this many most likely tokens'
 
     def _logprob_params(self) -> dict[str, int | None]:

@@ -5,8 +5,9 @@ or wants logprobs (`jprefix.worker.logits_processing` documents the arrays).
 Output-token counts are packed per step as sparse (row, token, count) entries of each
 penalised row's known output tokens (its newest token may be pending: the device counts
 it), with the prompt's distinct tokens (computed once per sequence) for the repetition
-penalty. Entry counts are bucketed like the token count, so the variant compiles once per
-bucket, not per request mix.
+penalty. Entry counts are rounded up to powers of two (at most twice the entries, a few
+int32s each), so the variant compiles once per bucket, a few dozen at most over a
+server's life, never per request mix.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 from jprefix.worker.pack import bucket
 
 _MIN_ENTRIES = 16
-_ENTRY_STEP = 4096  # entry buckets grow linearly past this
 
 
 def _entries(parts: list[np.ndarray], dtype: Any, size: int) -> np.ndarray:
@@ -80,9 +80,9 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
                 ids = _prompt_tokens(seq)
                 _add(pen, i, ids, np.zeros(len(ids), np.int32), 1)
     num_pen = sum(map(len, pen["ids"]))
-    P = bucket(num_pen, _MIN_ENTRIES, _ENTRY_STEP)
-    B = bucket(sum(map(len, bias["ids"])), _MIN_ENTRIES, _ENTRY_STEP)
-    Q = bucket(len(plp_idx), _MIN_ENTRIES, _ENTRY_STEP)
+    P = bucket(num_pen, _MIN_ENTRIES)
+    B = bucket(sum(map(len, bias["ids"])), _MIN_ENTRIES)
+    Q = bucket(len(plp_idx), _MIN_ENTRIES)
     arrays = dict(
         presence=presence, frequency=frequency, repetition=repetition, min_p=min_p,
         pen_rows=_entries(pen["rows"], np.int32, P), pen_ids=_entries(pen["ids"], np.int32, P),
