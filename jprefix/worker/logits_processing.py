@@ -3,12 +3,12 @@ asks for them (the step's `extra` variant; a plain step runs none of this).
 
 Arrays of the step (`jprefix.worker.pack_sampling` packs them), S rows, V vocab:
 - presence, frequency, repetition [S] float32: each row's penalties (0, 0, 1 = off);
-- pen_rows, pen_ids, pen_out, pen_prompt [P] int32: sparse (row, token) entries, the
-  token's count among the row's known output tokens and whether the prompt holds it
-  (padding entries add 0 to row 0, token 0). A row's newest output token may still be
-  pending on the host (async scheduling): it is the row's last input token, read from
-  the previous step's output (`token_src` >= 0), and counted here;
-- bias_rows, bias_ids [B] int32, bias_vals [B] float32: logit_bias entries (padding 0);
+- pen_rows, pen_ids, pen_out, pen_prompt [P] int32, pen_bias [P] float32: sparse
+  (row, token) entries: the token's count among the row's known output tokens, whether
+  the prompt holds it, its logit bias (padding entries add 0 to row 0, token 0). A row's
+  newest output token may still be pending on the host (async scheduling): it is the
+  row's last input token, read from the previous step's output (`token_src` >= 0), and
+  counted here;
 - plp_idx, plp_target [Q] int32: flat token positions whose prompt logprobs are wanted
   and the prompt token that follows each.
 """
@@ -24,9 +24,8 @@ def process_logits(logits: jax.Array, batch: dict[str, jax.Array], token_ids: ja
     """vLLM's order: logit bias, then repetition, frequency and presence penalties.
     `logits` [S, V] float32; `token_ids` [T] the step's input ids (pending ones resolved)."""
     num_rows, vocab = logits.shape
-    logits = logits.at[batch["bias_rows"], batch["bias_ids"]].add(batch["bias_vals"],
-                                                                  mode="drop")
     rows, ids = batch["pen_rows"], batch["pen_ids"]
+    logits = logits.at[rows, ids].add(batch["pen_bias"], mode="drop")
     counts = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, ids].add(batch["pen_out"],
                                                                      mode="drop")
     last = batch["logits_idx"]

@@ -5,9 +5,10 @@ or wants logprobs (`jprefix.worker.logits_processing` documents the arrays).
 Output-token counts are packed per step as sparse (row, token, count) entries of each
 penalised row's known output tokens (its newest token may be pending: the device counts
 it), with the prompt's distinct tokens (computed once per sequence) for the repetition
-penalty. Entry counts are rounded up to powers of two (at most twice the entries, a few
-int32s each), so the variant compiles once per bucket, a few dozen at most over a
-server's life, never per request mix.
+penalty and the logit-bias entries, all in one entry list. Entry counts are rounded up to
+powers of two (at most twice the entries, a few words each): the variant compiles once
+per (shape bucket, entry bucket), so a penalised decode compiles again only when its
+entries double, never per request mix.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
     frequency = np.zeros(num_rows, np.float32)
     repetition = np.ones(num_rows, np.float32)
     min_p = np.zeros(num_rows, np.float32)
-    pen: dict[str, list[np.ndarray]] = {"rows": [], "ids": [], "out": [], "prompt": []}
-    bias: dict[str, list[np.ndarray]] = {"rows": [], "ids": [], "vals": []}
+    pen: dict[str, list[np.ndarray]] = {"rows": [], "ids": [], "out": [], "prompt": [],
+                                        "bias": []}
     plp_idx: list[int] = []
     plp_target: list[int] = []
     plp_meta: list[tuple[Any, int]] = []
@@ -67,10 +68,9 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
         presence[i], frequency[i] = sp.presence_penalty, sp.frequency_penalty
         repetition[i], min_p[i] = sp.repetition_penalty, sp.min_p
         if sp.logit_bias:
-            bias["rows"].append(np.full(len(sp.logit_bias), i, np.int32))
-            bias["ids"].append(np.fromiter(sp.logit_bias, np.int32, len(sp.logit_bias)))
-            bias["vals"].append(np.fromiter(sp.logit_bias.values(), np.float32,
-                                            len(sp.logit_bias)))
+            n = len(sp.logit_bias)
+            _add(pen, i, np.fromiter(sp.logit_bias, np.int32, n), np.zeros(n, np.int32), 0,
+                 np.fromiter(sp.logit_bias.values(), np.float32, n))
         if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1:
             output = seq.all_token_ids[seq.num_prompt_tokens:]
             if output:
@@ -79,17 +79,14 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
             if sp.repetition_penalty != 1:
                 ids = _prompt_tokens(seq)
                 _add(pen, i, ids, np.zeros(len(ids), np.int32), 1)
-    num_pen = sum(map(len, pen["ids"]))
-    P = bucket(num_pen, _MIN_ENTRIES)
-    B = bucket(sum(map(len, bias["ids"])), _MIN_ENTRIES)
+    P = bucket(sum(map(len, pen["ids"])), _MIN_ENTRIES)
     Q = bucket(len(plp_idx), _MIN_ENTRIES)
     arrays = dict(
         presence=presence, frequency=frequency, repetition=repetition, min_p=min_p,
         pen_rows=_entries(pen["rows"], np.int32, P), pen_ids=_entries(pen["ids"], np.int32, P),
         pen_out=_entries(pen["out"], np.int32, P),
         pen_prompt=_entries(pen["prompt"], np.int32, P),
-        bias_rows=_entries(bias["rows"], np.int32, B), bias_ids=_entries(bias["ids"], np.int32, B),
-        bias_vals=_entries(bias["vals"], np.float32, B),
+        pen_bias=_entries(pen["bias"], np.float32, P),
         plp_idx=_entries([np.asarray(plp_idx, np.int32)], np.int32, Q),
         plp_target=_entries([np.asarray(plp_target, np.int32)], np.int32, Q),
     )
@@ -97,8 +94,9 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
 
 
 def _add(pen: dict[str, list[np.ndarray]], row: int, ids: np.ndarray, out: np.ndarray,
-         in_prompt: int) -> None:
+         in_prompt: int, bias: np.ndarray | None = None) -> None:
     pen["rows"].append(np.full(len(ids), row, np.int32))
     pen["ids"].append(ids)
     pen["out"].append(out)
     pen["prompt"].append(np.full(len(ids), in_prompt, np.int32))
+    pen["bias"].append(np.zeros(len(ids), np.float32) if bias is None else bias)
