@@ -2,13 +2,15 @@
 `extra` variant of the step, for steps where some row has penalties, min_p, a logit bias
 or wants logprobs (`jprefix.worker.logits_processing` documents the arrays).
 
-Output-token counts are packed per step as sparse (row, token, count) entries of each
-penalised row's known output tokens (its newest token may be pending: the device counts
-it), with the prompt's distinct tokens (computed once per sequence) for the repetition
-penalty and the logit-bias entries, all in one entry list. Entry counts are rounded up to
-powers of two (at most twice the entries, a few words each): the variant compiles once
-per (shape bucket, entry bucket), so a penalised decode compiles again only when its
-entries double, never per request mix.
+Output-token counts are packed per step as sparse (row, token, 1) entries, one per known
+output token of each penalised row (the device's scatter-add counts repeats; the row's
+newest token may be pending: the device counts it), from an int32 array kept on the
+sequence and extended by its new tokens only; with them the prompt's distinct tokens
+(computed once per sequence) for the repetition penalty and the logit-bias entries, all
+in one entry list. Entry counts are rounded up to powers of two (at most twice the
+entries, a few words each): the variant compiles once per (shape bucket, entry bucket),
+so a penalised decode compiles again only when its entries double, never per request
+mix.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ def _prompt_tokens(seq: Any) -> np.ndarray:
     cached = getattr(seq, "_distinct_prompt", None)
     if cached is None:
         cached = seq._distinct_prompt = np.unique(np.asarray(seq.prompt_token_ids, np.int32))
+    return cached
+
+
+def _output_tokens(seq: Any) -> np.ndarray:
+    """`seq`'s known output tokens as int32, kept on the sequence and extended by the
+    tokens appended since the last call (output tokens are only ever appended)."""
+    num = seq.num_output_tokens
+    cached = getattr(seq, "_output_array", None)
+    if cached is None or len(cached) > num:
+        cached = np.asarray(seq.all_token_ids[seq.num_prompt_tokens:], np.int32)
+    elif len(cached) < num:
+        tail = seq.all_token_ids[seq.num_prompt_tokens + len(cached):]
+        cached = np.concatenate([cached, np.asarray(tail, np.int32)])
+    seq._output_array = cached
     return cached
 
 
@@ -72,10 +88,9 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
             _add(pen, i, np.fromiter(sp.logit_bias, np.int32, n), np.zeros(n, np.int32), 0,
                  np.fromiter(sp.logit_bias.values(), np.float32, n))
         if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1:
-            output = seq.all_token_ids[seq.num_prompt_tokens:]
-            if output:
-                ids, counts = np.unique(np.asarray(output, np.int32), return_counts=True)
-                _add(pen, i, ids, counts.astype(np.int32), 0)
+            output = _output_tokens(seq)
+            if len(output):
+                _add(pen, i, output, np.ones(len(output), np.int32), 0)
             if sp.repetition_penalty != 1:
                 ids = _prompt_tokens(seq)
                 _add(pen, i, ids, np.zeros(len(ids), np.int32), 1)
