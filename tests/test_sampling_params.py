@@ -212,3 +212,32 @@ def test_chat_uses_the_shared_chat_template(smollm2_gguf):
     both = llm.chat([conv, conv[1:]], sp, use_tqdm=False)
     assert both[0].token_ids == out.token_ids
     assert both[1].prompt_token_ids == render_chat(llm.tokenizer, conv[1:])
+
+
+def test_logprobs_and_penalties_survive_preemption(sharp_tiny, monkeypatch):
+    # 11 usable blocks of 8 tokens; four 40-token requests need 20: some are preempted
+    llm = LLM(sharp_tiny, block_size=8, num_kv_blocks=12)
+    preempted = []
+    original = llm.scheduler._preempt
+    monkeypatch.setattr(llm.scheduler, "_preempt",
+                        lambda seq, out: (preempted.append(seq.request_id), original(seq, out)))
+    prompts = [RNG.integers(3, 200, 20).tolist() for _ in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1,
+                        prompt_logprobs=1, repetition_penalty=1.3)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert preempted
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = out.token_ids
+        ref = _dense_logprobs(sharp_tiny, prompt + tokens)
+        assert len(out.logprobs) == len(tokens) == 20
+        assert len(out.prompt_logprobs) == len(prompt)
+        got = [out.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+        np.testing.assert_allclose(got, [ref[len(prompt) - 1 + i][t]
+                                         for i, t in enumerate(tokens)], atol=2e-4)
+        logits = np.asarray(dense_forward(sharp_tiny.params, sharp_tiny.config,
+                                          jnp.asarray([prompt + tokens], jnp.int32))[0])
+        for i, token in enumerate(tokens):
+            x = _processed(logits[len(prompt) - 1 + i], prompt, tokens[:i], sp)
+            assert x[token] >= x.max() - 1e-4
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks - 1
