@@ -192,3 +192,38 @@ def test_chat_logprobs_on_the_real_model(smollm2_gguf):
                                                   top_logprobs=2)
     finally:
         server.stop()
+
+
+def test_leaving_an_n_stream_aborts_every_sample(tiny, monkeypatch):
+    llm = tiny.llm
+    aborted, steps, gate = [], [], threading.Event()
+    original_abort, original_step = llm.engine.abort_request, llm.engine.step
+
+    def step():  # after 4 steps the engine waits (at most 60 s) until the test opens the gate
+        steps.append(1)
+        if len(steps) > 4:
+            gate.wait(60)
+        return original_step()
+
+    monkeypatch.setattr(llm.engine, "abort_request",
+                        lambda rid: (aborted.append(rid), original_abort(rid)))
+    monkeypatch.setattr(llm.engine, "step", step)
+    stream = tiny.client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=200,
+                                            n=3, temperature=1.0, stream=True, logprobs=0,
+                                            extra_body={"ignore_eos": True})
+    for chunk in stream:  # (the tiny model has no tokenizer: its tokens show as logprobs)
+        if chunk.choices[0].logprobs is not None:
+            break
+    stream.close()  # the client goes away mid-stream, while the engine is held
+    deadline = time.monotonic() + 60
+    while len(aborted) < 3:
+        assert time.monotonic() < deadline, f"aborted only {aborted}"
+        time.sleep(0.05)
+    gate.set()
+    while llm.engine.has_unfinished_requests() or llm._driver._thread is not None:
+        assert time.monotonic() < deadline, "the samples kept running"
+        time.sleep(0.05)
+    assert sorted(rid.rsplit("-", 1)[1] for rid in aborted) == ["0", "1", "2"]
+    assert len({rid.rsplit("-", 1)[0] for rid in aborted}) == 1
+    bm = llm.engine.scheduler.block_manager
+    assert all(bm.ref_count(b) == 0 for b in range(1, bm.num_blocks))
