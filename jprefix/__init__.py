@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jprefix.core.outputs import CompletionOutput, RequestOutput
+    from jprefix.core.outputs import CompletionOutput, Logprob, RequestOutput
     from jprefix.core.sampling_params import SamplingParams
     from jprefix.core.structured_outputs import StructuredOutputsParams
     from jprefix.engine.args import EngineArgs
@@ -27,6 +27,7 @@ _EXPORTS = {
     "EngineArgs": "jprefix.engine.args",
     "LLMEngine": "jprefix.engine.llm_engine",
     "CompletionOutput": "jprefix.core.outputs",
+    "Logprob": "jprefix.core.outputs",
     "RequestOutput": "jprefix.core.outputs",
     "SamplingParams": "jprefix.core.sampling_params",
     "StructuredOutputsParams": "jprefix.core.structured_outputs",
@@ -40,6 +41,7 @@ __all__ = [
     "EngineArgs",
     "LLMEngine",
     "LoadedModel",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

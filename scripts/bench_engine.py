@@ -30,8 +30,19 @@ def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> lis
     return [shared + rng.integers(10, vocab, unique).tolist() for _ in range(n)]
 
 
-def run_throughput(llm: LLM, prompts, prefix_len, output_len: int) -> dict:
-    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def sampling_features(output_len: int) -> SamplingParams:
+    """Every sampling feature on at once (`--compare-sampling`): temperature, top-p,
+    min-p, the three penalties, a logit bias and 5 logprobs per token."""
+    return SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                          presence_penalty=0.2, frequency_penalty=0.2,
+                          logit_bias={11: 1.0, 12: -1.0}, logprobs=5, seed=0,
+                          max_tokens=output_len, ignore_eos=True)
+
+
+def run_throughput(llm: LLM, prompts, prefix_len, output_len: int,
+                   features: bool = False) -> dict:
+    sp = (sampling_features(output_len) if features
+          else SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     best = None
     for _ in range(2):  # the first run compiles
         llm.reset_prefix_cache()
@@ -135,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-off", action="store_true", help="skip the cache-off runs")
     ap.add_argument("--compare-cascade", action="store_true",
                     help="also run cache on with cascade decode off")
+    ap.add_argument("--compare-sampling", action="store_true",
+                    help="also run cache on with every sampling feature on each request "
+                         "(penalties, min_p, logit bias, 5 logprobs: the step's extra variant)")
     ap.add_argument("--ttft-only", action="store_true",
                     help="measure time to first token only (no throughput runs)")
     ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
@@ -155,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
         modes.append(("on_nocascade", True, False))
+    if args.compare_sampling:
+        modes.append(("on_sampling", True, True))
     if not args.skip_off:
         modes.append(("off", False, False))
     num_blocks = args.num_kv_blocks  # fixed after the first engine: same shapes, no recompile
@@ -166,10 +182,12 @@ def main(argv: list[str] | None = None) -> dict:
         num_blocks = llm.engine.scheduler.block_manager.num_blocks
         results[f"num_kv_blocks_{tag}"] = llm.engine.scheduler.block_manager.num_blocks
         for out_len in [] if args.ttft_only else args.output_len:
-            r = run_throughput(llm, prompts, args.prefix_len, out_len)
+            r = run_throughput(llm, prompts, args.prefix_len, out_len,
+                               features=tag == "on_sampling")
             results[f"throughput_{tag}_out{out_len}"] = r
             print(f"cache {tag} out {out_len}: {r}", flush=True)
-        if tag != "on_nocascade" and args.ttft_reps > 0:  # single requests never cascade
+        if tag not in ("on_nocascade", "on_sampling") and args.ttft_reps > 0:
+            # (single requests never cascade)
             results[f"ttft_ms_{tag}_cached" if caching else "ttft_ms_off"] = run_ttft(
                 llm, prompts[0], args.prefix_len, caching, args.ttft_reps)
             if caching:
@@ -193,10 +211,15 @@ def print_table(r: dict, args) -> None:
         on = r.get(f"throughput_on_out{out_len}")
         off = r.get(f"throughput_off_out{out_len}")
         nc = r.get(f"throughput_on_nocascade_out{out_len}")
+        feat = r.get(f"throughput_on_sampling_out{out_len}")
         line = f"out {out_len:4d}: cache on {on['output_tok_s']:9.0f} tok/s"
         if nc:
             line += (f" | cascade off {nc['output_tok_s']:9.0f} tok/s (step "
                      f"{nc['full_batch_step_ms']:.1f} ms)")
+        if feat:
+            line += (f" | every sampling feature {feat['output_tok_s']:9.0f} tok/s (step "
+                     f"{feat['full_batch_step_ms']:.1f} ms, host "
+                     f"{feat['host_share_full_batch']:.1%})")
         if off:
             line += (f" | off {off['output_tok_s']:9.0f} tok/s | on/off "
                      f"{on['output_tok_s'] / off['output_tok_s']:.2f}x | peak blocks on/off "

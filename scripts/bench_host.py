@@ -35,8 +35,8 @@ class PackingStub:
         self.packer = StepPacker(block_size, self.buckets)
 
     def dispatch(self, scheduled, plan=None) -> StepHandle:
-        rows, _, order, _ = self.packer.pack(scheduled, plan)
-        return StepHandle(None, len(rows), order)
+        packed = self.packer.pack(scheduled, plan)
+        return StepHandle(None, len(packed.rows), packed.order)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         return np.full(handle.num_rows, 42, np.int32)

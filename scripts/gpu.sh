@@ -17,6 +17,9 @@
 #             sweep vs XLA ($GEMM_ARGS, e.g. --rows 128 --only o,down)        ~5 min
 #   host      bench_host.py on this machine's CPU, cascade planning on and off  ~1 min
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
+#   step_sampling  bench_step.py --sampling both: the plain step vs every row with
+#             penalties, min_p, logit bias and 5 logprobs (the extra variant)  ~3 min
+#   engine_sampling  bench_engine.py --compare-sampling: the same, whole engine ~4 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
 #   b c d e   docs/RESULTS.md rows (b) policies, (c) trie vs flat, (d) chat latency,
 #             (e) ShareGPT (needs carry ["bench_data"])
@@ -97,6 +100,14 @@ job_step() {
   run step 150 python3 scripts/bench_step.py --model llama-2-7b --batch 1 64 256 --context 700 \
     --output-json "$OUT/step.json"
 }
+job_step_sampling() {
+  run step_sampling 200 python3 scripts/bench_step.py --model llama-2-7b --batch 1 64 256 \
+    --context 700 --sampling both --output-json "$OUT/step_sampling.json"
+}
+job_engine_sampling() {
+  run engine_sampling 280 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
+    --skip-off --compare-sampling --ttft-reps 0 --output-json "$OUT/engine_sampling.json"
+}
 job_hf() {
   run hf 150 python3 scripts/bench_hf.py --model llama-2-7b --num-prompts 64 --batch-size 64 \
     --output-len 128 --output-json "$OUT/hf.json"
@@ -126,7 +137,7 @@ job_e() {
     --output-json "$OUT/e_sharegpt.json"
 }
 
-if [ $# -eq 0 ]; then sed -n '2,24p' "$0"; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,27p' "$0"; exit 2; fi
 for job in "$@"; do
   if ! declare -F "job_$job" > /dev/null; then echo "unknown job: $job" >&2; exit 2; fi
 done

@@ -158,7 +158,7 @@ def test_defect7_unknown_model_404_and_chat_defaults_to_the_rest_of_the_context(
 
 
 @pytest.mark.parametrize("chat, field, value", [
-    (False, "suffix", "the end"), (False, "echo", True),
+    (False, "suffix", "the end"), (True, "tool_choice", "auto"),
     (True, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}])])
 def test_defect8_unsupported_fields_get_400_naming_them(client, chat, field, value):
     with pytest.raises(openai.BadRequestError) as err:

@@ -164,3 +164,16 @@ def test_a_bad_grammar_raises_naming_it_before_anything_runs(smol):
         with pytest.raises(ValueError, match=re.escape(match)):
             smol.generate(["Hi"], SamplingParams(structured_outputs=params), use_tqdm=False)
     assert not smol.engine.has_unfinished_requests()
+
+
+def test_each_of_n_samples_follows_its_own_grammar_state(smol):
+    """n > 1 fans one request out into sample sequences: each gets its own matcher (a
+    shared one would see every sample's tokens and reject them)."""
+    regex = r"[0-9]{2}-[a-z]{3}"
+    out = smol.generate([_chat(smol, "Answer.")], SamplingParams(
+        temperature=1.0, seed=3, n=4, max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex=regex)), use_tqdm=False)[0]
+    assert len(out.samples) == 4
+    for sample in out.samples:
+        assert re.fullmatch(regex, sample.text) and sample.finish_reason == "stop", sample.text
+    assert len({s.text for s in out.samples}) > 1  # distinct seeds, distinct samples

@@ -1,8 +1,23 @@
-"""What a finished request returns (vLLM's RequestOutput, flattened for n = 1)."""
+"""What a finished request returns (vLLM's RequestOutput; its flat fields mirror the first
+sample, `outputs[0]`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the model's raw distribution, its rank in it
+    (1 = the most likely token) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one position's logprobs: token id -> Logprob (the chosen token and the top-k tokens)
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -11,11 +26,16 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one dict per token of token_ids
 
 
 @dataclass
 class RequestOutput:
-    """One request's result; `outputs[0]` mirrors the flat fields, as in vLLM."""
+    """One request's result. `outputs` holds its n samples (n > 1: `samples`); the flat
+    fields (text, token_ids, finish_reason, logprobs, cumulative_logprob) are the first
+    sample's, as `outputs[0]`. `prompt_logprobs`: None, or one entry per prompt token,
+    the first None (nothing predicts it)."""
 
     request_id: str
     prompt: str | None
@@ -25,10 +45,17 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    samples: list[CompletionOutput] | None = None  # n > 1: every sample, index order
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        if self.samples is not None:
+            return self.samples
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                                 self.cumulative_logprob, self.logprobs)]
 
     @property
     def finished(self) -> bool:

@@ -201,6 +201,9 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> None:
         max_blocks = min(self._shareable_blocks(seq), (seq.num_tokens - 1) // self.block_size)
+        if (seq.num_prompt_logprobs is not None
+                and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1):
+            max_blocks = 0  # (every prompt position's logits are wanted: compute them all)
         seq.block_table = self.prefix_pool.acquire(seq.all_token_ids, max_blocks, seq.cache_salt)
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size

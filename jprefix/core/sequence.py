@@ -78,6 +78,18 @@ class Sequence:
         # stop_token_ids; the scheduler adds the model's EOS ids unless ignore_eos)
         self.stop_ids = frozenset(sp.stop_token_ids or ()) if sp is not None else frozenset()
         self.seed = seed  # sampling stream: fold_in(key(seed), num_output_tokens)
+        # logprobs: top-k per output token (None: none; 0: the sampled token's own only)
+        # and per prompt token; `sampling_extra`: the step's logits-processing variant runs
+        self.num_logprobs: int | None = sp.logprobs if sp is not None else None
+        self.num_prompt_logprobs: int | None = sp.prompt_logprobs if sp is not None else None
+        self.sampling_extra = sp is not None and (
+            sp.processes_logits or self.num_logprobs is not None
+            or self.num_prompt_logprobs is not None)
+        # per output token (token, logprob, rank, top ids, top logprobs), as the device
+        # computed them; per prompt position >= 1 the same; their sum over output tokens
+        self.output_logprobs: list[tuple] = []
+        self.prompt_logprobs: list[tuple] = []
+        self.cumulative_logprob = 0.0
         self.prompt = prompt  # the prompt text, when it was given as text
         self.first_token_time: float | None = None
         self.stop_text: str | None = None  # output text cut before a matched stop string

@@ -171,6 +171,10 @@ class InputProcessor:
         sp = dataclasses.replace(sampling_params) if sampling_params else SamplingParams()
         ids = self.tokenize(prompt)
         check_context(len(ids), sp.max_tokens, self.max_model_len)
+        for token in sp.logit_bias or ():
+            if token >= self.vocab_size:
+                raise ValueError(f"logit_bias token id {token} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         prefix_len = check_prefix_len(prefix_len, len(ids))
         if request_id is None:
             request_id = f"jprefix-{next(self._ids)}"  # itertools.count: thread-safe

@@ -24,7 +24,9 @@ from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.input_processor import InputProcessor
+from jprefix.engine.logprobs import attach_logprobs
 from jprefix.engine.output_processor import OutputProcessor
+from jprefix.engine.parallel_sampling import SampleGroup, fan_out
 from jprefix.engine.stats import EngineStats
 from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker import xla_flags
@@ -155,8 +157,23 @@ class LLMEngine:
         self.structured.prepare(seq)
         return seq
 
+    def make_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                     prefix_len: int | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> SampleGroup:
+        """Validates one request and builds the sequences that generate it: one, or one
+        per sample when it draws several (`n` > 1 or `best_of`; `parallel_sampling`)."""
+        group = fan_out(self.inputs.make_sequence(prompt, sampling_params, prefix_len,
+                                                  request_id, cache_salt))
+        for seq in group.seqs:  # each sample follows its own grammar state
+            self.structured.prepare(seq)
+        return group
+
     def add_sequence(self, seq: Sequence) -> None:
         """Queues a validated sequence; thread-safe, takes effect at the next step."""
+        if seq.sampling_params is not None and seq.sampling_params.num_samples > 1:
+            raise ValueError(f"request {seq.request_id!r} draws "
+                             f"{seq.sampling_params.num_samples} samples: queue the "
+                             "sequences of make_request instead")
         self._pending.append(seq)
 
     def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
@@ -225,6 +242,10 @@ class LLMEngine:
         t_fetched = time.perf_counter()
         tokens = tokens.tolist()
         finished = self.scheduler.update(done.out, tokens)
+        positions = getattr(done.handle, "prompt_positions", None)
+        if positions is not None:  # (an extra step: logits processing or logprobs)
+            attach_logprobs(done.out.scheduled, self.runner.fetch_logprobs(done.handle),
+                            positions)
         for seq in self.structured.accept(done.out.scheduled, tokens):  # grammar complete
             self.scheduler.finish(seq, "stop")
             finished.append(seq)

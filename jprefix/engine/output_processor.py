@@ -15,6 +15,7 @@ from typing import Any
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.sequence import Sequence
 from jprefix.engine.detokenizer import IncrementalDetokenizer
+from jprefix.engine.logprobs import position_dicts
 
 
 class OutputProcessor:
@@ -78,7 +79,19 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=metrics,
+            **self._logprobs(seq),
         )
+
+    def _logprobs(self, seq: Sequence) -> dict[str, Any]:
+        """The logprob fields of a finished request's output (those it asked for)."""
+        out: dict[str, Any] = {}
+        if seq.num_logprobs is not None:
+            out["logprobs"] = position_dicts(seq.output_logprobs, self.tokenizer)
+            out["cumulative_logprob"] = seq.cumulative_logprob
+        if seq.num_prompt_logprobs is not None:
+            out["prompt_logprobs"] = [None] + position_dicts(seq.prompt_logprobs,
+                                                             self.tokenizer)
+        return out
 
     def _detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

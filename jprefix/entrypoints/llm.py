@@ -13,8 +13,9 @@ from jprefix.core.outputs import RequestOutput
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs, resolve_dtype
-from jprefix.engine.input_processor import as_prompt_list, broadcast
+from jprefix.engine.input_processor import as_prompt_list, broadcast, render_chat
 from jprefix.engine.llm_engine import LLMEngine
+from jprefix.engine.parallel_sampling import SampleGroup, merge
 from jprefix.entrypoints.async_driver import AsyncDriver
 from jprefix.worker import xla_flags
 from models import loader
@@ -80,8 +81,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prefix_pos: int | list[int | None] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for a batch of prompts; outputs come back in prompt order.
+        """Generates for a batch of prompts; outputs come back in prompt order, each with
+        its `n` samples in `outputs`. Prompts with different `cache_salt`s (one for all,
+        or one per prompt) never share cached blocks.
 
         Every prompt is validated before any is scheduled, so one bad prompt raises
         ValueError and leaves the engine untouched.
@@ -89,15 +93,37 @@ class LLM:
         prompts = as_prompt_list(prompts)
         params = broadcast(sampling_params, len(prompts), "sampling_params")
         prefixes = broadcast(prefix_pos, len(prompts), "prefix_pos")
-        seqs = [
-            self.engine.make_sequence(p, sp, pl)
-            for p, sp, pl in zip(prompts, params, prefixes, strict=True)
+        salts = broadcast(cache_salt, len(prompts), "cache_salt")
+        groups = [
+            self.engine.make_request(p, sp, pl, cache_salt=salt)
+            for p, sp, pl, salt in zip(prompts, params, prefixes, salts, strict=True)
         ]
-        for seq in seqs:
-            self.engine.add_sequence(seq)
-        return self._run_to_completion([s.request_id for s in seqs], use_tqdm)
+        for group in groups:
+            for seq in group.seqs:
+                self.engine.add_sequence(seq)
+        done = self._run_to_completion([s.request_id for g in groups for s in g.seqs],
+                                       use_tqdm)
+        return [merge(g, [done[s.request_id] for s in g.seqs]) for g in groups]
 
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        cache_salt: str | list[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates the assistant's reply to one conversation ({"role", "content"}
+        dicts) or to each of a list of them, rendered with the model's chat template (the
+        renderer the CLI and the server use: message contents are plain text)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not convs:
+            raise ValueError("messages is empty: give a conversation")
+        prompts = [render_chat(self.tokenizer, conv, add_generation_prompt) for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool
+                           ) -> dict[str, RequestOutput]:
         wanted, done = set(request_ids), {}
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Processed prompts") as bar:
             while len(done) < len(wanted):
@@ -105,7 +131,7 @@ class LLM:
                     if out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
-        return [done[r] for r in request_ids]
+        return done
 
     async def generate_async(
         self,
@@ -115,12 +141,26 @@ class LLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RequestOutput:
-        """Generates for one prompt while other requests run; cancel to abort it.
-        Requests with different `cache_salt`s never share cached blocks. The prompt is
-        tokenised in a worker thread, so a long one does not stall the event loop."""
-        seq = await self.make_sequence_async(prompt, sampling_params, prefix_pos, request_id,
-                                             cache_salt)
-        return await self.generate_sequence(seq)
+        """Generates for one prompt (its `n` samples) while other requests run; cancel to
+        abort it. Requests with different `cache_salt`s never share cached blocks. The
+        prompt is tokenised in a worker thread, so a long one does not stall the event
+        loop."""
+        group = await self.make_request_async(prompt, sampling_params, prefix_pos, request_id,
+                                              cache_salt)
+        return await self.generate_group(group)
+
+    async def make_request_async(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                                 prefix_pos: int | None = None, request_id: str | None = None,
+                                 cache_salt: str | None = None) -> SampleGroup:
+        """`make_sequence_async` for a request of any `n`: the sequences of its samples
+        (`LLMEngine.make_request`), validated and tokenised in a worker thread."""
+        return await asyncio.to_thread(self.engine.make_request, prompt, sampling_params,
+                                       prefix_pos, request_id, cache_salt)
+
+    async def generate_group(self, group: SampleGroup) -> RequestOutput:
+        """Runs a request's sample sequences to one merged output; cancelling aborts all."""
+        outs = await asyncio.gather(*(self._driver.submit(s) for s in group.seqs))
+        return merge(group, list(outs))
 
     async def make_sequence_async(self, prompt: Any, sampling_params: SamplingParams | None = None,
                                   prefix_pos: int | None = None, request_id: str | None = None,
@@ -151,6 +191,10 @@ class LLM:
         loop early aborts the request and frees its blocks."""
         seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id,
                                         cache_salt)
+        if seq.sampling_params.num_samples > 1:
+            raise ValueError(f"stream_async streams one sample; n={seq.sampling_params.n}, "
+                             f"best_of={seq.sampling_params.best_of}: use generate_async, or "
+                             "stream_sequence on each of make_request_async's sequences")
         return self._driver.stream(seq)
 
     def warmup(self, prefixes: list[Any], pin: bool = False) -> list[Any]:
@@ -175,13 +219,15 @@ def generate(
     prompts: Any,
     prefix_len: int | list[int | None] | None = None,
     sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    cache_salt: str | list[str | None] | None = None,
     **engine_kwargs: Any,
 ) -> list[RequestOutput]:
     """Functional form: `generate(jprefix.load("smollm2-135m"), prompts, prefix_len)`.
 
     `prefix_len` is one int for all prompts, one per prompt, or None (automatic mode: every
-    full prompt block is shareable).
+    full prompt block is shareable); `cache_salt` as in `LLM.generate`.
     """
     use_tqdm = engine_kwargs.pop("use_tqdm", False)
     llm = LLM(params, **engine_kwargs)
-    return llm.generate(prompts, sampling_params, prefix_pos=prefix_len, use_tqdm=use_tqdm)
+    return llm.generate(prompts, sampling_params, prefix_pos=prefix_len, use_tqdm=use_tqdm,
+                        cache_salt=cache_salt)

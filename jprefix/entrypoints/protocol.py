@@ -8,23 +8,23 @@ this server does not implement set to anything but its neutral value, is a 400 n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from jprefix.core.sampling_params import SamplingParams
+from jprefix.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # OpenAI / vLLM fields not implemented here, with the values that mean "off" (accepted)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
-    "echo": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}),
+    "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-    "functions": (None, []), "function_call": (None, "none"), "n": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"),
     "guided_grammar": (None,),
 }
+# fields of the other endpoint: completions take `logprobs: k`, chat `top_logprobs: k`
+COMPLETION_UNSUPPORTED = UNSUPPORTED | {"top_logprobs": (None, 0)}
+CHAT_UNSUPPORTED = UNSUPPORTED | {"echo": (None, False), "prompt_logprobs": (None,)}
 
 
 class RequestError(ValueError):
@@ -81,6 +81,7 @@ class StreamOptions(BaseModel):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
 
     model: str | None = None
     max_tokens: int | None = None
@@ -103,14 +104,21 @@ class _Request(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     structured_outputs: Any = None
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # (vLLM's extension, as min_p)
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
 
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for key in [k for k in data if k in UNSUPPORTED]:
-            if data[key] not in UNSUPPORTED[key]:
+        for key in [k for k in data if k in cls.unsupported]:
+            if data[key] not in cls.unsupported[key]:
                 raise RequestError(f"{key} {data[key]!r:.80} is not supported by this server "
                                    f"(leave it out)", key)
             del data[key]
@@ -129,20 +137,63 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true",
                                "stream_options")
-        return SamplingParams(  # (normalises the stop lists and validates every value)
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            seed=self.seed, ignore_eos=self.ignore_eos,
-        )
+        n = 1 if self.n is None else self.n
+        if self.stream and self.best_of is not None and self.best_of != n:
+            raise RequestError(f"best_of {self.best_of} must equal n ({n}) when streaming: "
+                               "the best samples are known only at the end", "best_of")
+        try:
+            return SamplingParams(  # (normalises the stop lists and validates every value)
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                seed=self.seed, ignore_eos=self.ignore_eos, n=n, best_of=self.best_of,
+                presence_penalty=_or(self.presence_penalty, 0.0),
+                frequency_penalty=_or(self.frequency_penalty, 0.0),
+                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                min_p=_or(self.min_p, 0.0), logit_bias=self._logit_bias(),
+                **self._logprob_params(),
+            )
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0].split("[", 1)[0]
+            raise RequestError(str(e), name if name in type(self).model_fields else None
+                               ) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token ids as JSON object keys) with int keys."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise RequestError(f"logit_bias key {key!r:.40} is not a token id (an "
+                                   "integer >= 0 written as a string)", "logit_bias")
+            out[int(key)] = value
+        return out
+
+    def _logprob_params(self) -> dict[str, int | None]:
+        return {}
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 class CompletionRequest(_Request):
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_UNSUPPORTED
     prompt: Any = None
+    logprobs: int | None = None  # top-k logprobs per token (OpenAI: at most 5; here 20)
+    echo: bool | None = None  # the prompt before the completion (its logprobs if asked)
+    prompt_logprobs: int | None = None  # vLLM's extension: top-k per prompt token
+
+    def _logprob_params(self) -> dict[str, int | None]:
+        prompt = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt = max(self.logprobs, prompt or 0)
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
 
     @field_validator("prompt")
     @classmethod
@@ -167,8 +218,19 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Request):
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None  # each output token's logprob ...
+    top_logprobs: int | None = None  # ... with this many most likely tokens'
+
+    def _logprob_params(self) -> dict[str, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                               f"{self.top_logprobs}", "top_logprobs")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:

@@ -1,5 +1,7 @@
 """One completion or chat request served: validated off the event loop, run, answered as one
-JSON body or as server-sent events; a client that leaves aborts its request."""
+JSON body or as server-sent events; a client that leaves aborts its request. A request of
+n > 1 samples runs them as one group (`LLM.generate_group`); streamed, their chunks
+interleave, each choice with its `index`."""
 
 from __future__ import annotations
 
@@ -16,12 +18,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jprefix.core.outputs import RequestOutput
-from jprefix.core.sampling_params import SamplingParams
+from jprefix.core.sequence import Sequence
 from jprefix.engine.detokenizer import IncrementalDetokenizer
 from jprefix.engine.input_processor import render_chat
+from jprefix.engine.logprobs import position_dicts
+from jprefix.engine.parallel_sampling import SampleGroup
 from jprefix.entrypoints.guided import FIELDS, grammar_error, structured_params
 from jprefix.entrypoints.llm import LLM
 from jprefix.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError
+from jprefix.entrypoints.serving_format import (
+    chat_logprobs,
+    completion_logprobs,
+    response_body,
+)
 
 # vLLM's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_MAX_TOKENS = 16
@@ -61,13 +70,6 @@ class TextStream:
         return delta
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-
-
 def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -95,17 +97,30 @@ async def serve_request(llm: LLM, name: str, req: CompletionRequest | ChatReques
         sp = dataclasses.replace(sp, structured_outputs=grammar)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        seq = await llm.make_sequence_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
+        group = await llm.make_request_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
     except ValueError as exc:
         raise grammar_error(exc, field) if field is not None else exc from None
+    echo = None
+    if not chat and req.echo:  # the prompt's text, before each sample's
+        echo = prompt if isinstance(prompt, str) else _decode(llm, group.seqs[0].prompt_token_ids)
     if req.stream:  # validated by now, before the stream's 200 is sent
-        events = _stream_events(llm, name, rid, llm.stream_sequence(seq), sp, chat,
-                                req.include_usage)
+        events = _stream_events(llm, name, group, chat, req.include_usage, echo)
         return StreamingResponse(events, media_type="text/event-stream")
-    out = await until_disconnected(request, llm.generate_sequence(seq))
+    out = await until_disconnected(request, llm.generate_group(group))
     if out is None:  # the client left: the request was aborted, nobody reads this
         return JSONResponse(status_code=499, content={})
-    return _response(name, out, chat)
+    if any(s.finish_reason == "error" for s in out.outputs):  # could not finish: not a 200
+        raise RequestError(f"request {out.request_id} could not be completed", None, 500)
+    return response_body(name, out, chat, sp.logprobs, echo, int(time.time()),
+                         lambda t: _decode(llm, [t]))
+
+
+def _decode(llm: LLM, ids: list[int]) -> str:
+    """The text of `ids` (a model without a tokenizer: "token_id:<id>" per token, as the
+    logprobs name tokens then)."""
+    if llm.tokenizer is None:
+        return "".join(f"token_id:{t}" for t in ids)
+    return llm.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -131,41 +146,97 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _response(name: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
-    if out.finish_reason == "error":  # the engine could not finish it: say so, not a 200
-        raise RequestError(f"request {out.request_id} could not be completed", None, 500)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": out.text}
-    else:
-        choice["text"] = out.text
-        choice["token_ids"] = out.token_ids  # extension: useful without a tokenizer
-    return {"id": out.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": name, "choices": [choice],
-            "usage": usage(out)}
+class _Choice:
+    """One sample's stream: its text (stop strings held back, `TextStream`) and its
+    logprobs, read from the sequence as its tokens arrive (attached before they are
+    posted), or from the final output for the rest."""
+
+    def __init__(self, llm: LLM, seq: Sequence, chat: bool, k: int | None, offset: int):
+        self.llm, self.seq, self.chat, self.k = llm, seq, chat, k
+        self.text = TextStream(llm.tokenizer, seq.sampling_params.stop,
+                               seq.sampling_params.min_tokens)
+        self.sent_ids: list[int] = []
+        self.offset = offset  # completions' text_offset of the next token
+
+    def logprobs(self, ids: list[int], positions: list | None = None) -> Any:
+        if self.k is None or not ids:
+            return None
+        if positions is None:
+            start = len(self.sent_ids)
+            positions = position_dicts(self.seq.output_logprobs[start : start + len(ids)],
+                                       self.llm.tokenizer)
+        self.sent_ids += ids
+        if self.chat:
+            return chat_logprobs(positions, ids, self.k)
+        out = completion_logprobs(positions, ids, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
 
 
-async def _stream_events(llm: LLM, name: str, rid: str, items: AsyncIterator,
-                         sp: SamplingParams, chat: bool, include_usage: bool
-                         ) -> AsyncIterator[str]:
-    text = TextStream(llm.tokenizer, sp.stop, sp.min_tokens)
-    head = {"id": rid, "object": "chat.completion.chunk" if chat else
+async def _merged(llm: LLM, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Any]]:
+    """(sample index, item) of every sample's stream as they come; closing it (the client
+    left) cancels every stream, which aborts its request."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, seq: Sequence) -> None:
+        try:
+            async for item in llm.stream_sequence(seq):
+                queue.put_nowait((i, item))
+        except Exception as exc:  # (reaches the client's stream, as a single sample's)
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, seq)) for i, seq in enumerate(seqs)]
+    try:
+        for _ in range(len(seqs)):
+            while True:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, item
+                if isinstance(item, RequestOutput):
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream_events(llm: LLM, name: str, group: SampleGroup, chat: bool,
+                         include_usage: bool, echo: str | None) -> AsyncIterator[str]:
+    head = {"id": group.request_id, "object": "chat.completion.chunk" if chat else
             "text_completion", "created": int(time.time()), "model": name}
+    k = group.sampling_params.logprobs
+    choices = [_Choice(llm, seq, chat, k, len(echo or "")) for seq in group.seqs]
 
-    def chunk(delta: str, finish: str | None = None, first: bool = False) -> str:
+    def chunk(i: int, delta: str, finish: str | None = None, first: bool = False,
+              logprobs: Any = None) -> str:
         if chat:
             body = {"content": delta} | ({"role": "assistant"} if first else {})
-            choice = {"index": 0, "delta": body, "finish_reason": finish}
+            choice = {"index": i, "delta": body, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": logprobs}
         return _sse(head | {"choices": [choice]} | ({"usage": None} if include_usage else {}))
 
-    yield chunk("", first=True)
-    async for item in items:
+    for i in range(len(choices)):
+        yield chunk(i, echo or "", first=True)
+    finals: dict[int, RequestOutput] = {}
+    async for i, item in _merged(llm, group.seqs):
+        c = choices[i]
         if isinstance(item, RequestOutput):
-            yield chunk(text.finish(item.text), item.finish_reason)
-            if include_usage:
-                yield _sse(head | {"choices": [], "usage": usage(item)})
-        elif delta := text.push(item):
-            yield chunk(delta)
+            rest = item.token_ids[len(c.sent_ids):]
+            positions = None if item.logprobs is None else item.logprobs[len(c.sent_ids):]
+            yield chunk(i, c.text.finish(item.text), item.finish_reason,
+                        logprobs=c.logprobs(rest, positions))
+            finals[i] = item
+        else:
+            delta = c.text.push(item)
+            logprobs = c.logprobs(item)
+            if delta or logprobs is not None:
+                yield chunk(i, delta, logprobs=logprobs)
+    if include_usage:
+        prompt = len(finals[0].prompt_token_ids)
+        completion = sum(len(o.token_ids) for o in finals.values())
+        yield _sse(head | {"choices": [], "usage": {
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finals[0].num_cached_tokens}}})
     yield _sse("[DONE]")

@@ -12,6 +12,7 @@ input_batch -> repack -> pack -> flat_batch.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,6 +21,7 @@ from jprefix.core.cascade import CascadePlan
 from jprefix.core.scheduler import ScheduledSeq, is_decode_step
 from jprefix.worker.flat_batch import PackedStep, pack_flat
 from jprefix.worker.pack import BucketConfig, PackCache, pack_cascade, pack_step
+from jprefix.worker.pack_sampling import pack_sampling
 from jprefix.worker.repack import DecodeStep, remember_decode, repack_decode
 
 
@@ -27,21 +29,25 @@ class StepKind(NamedTuple):
     """What the jitted step compiles for: `decode` (every row computes one token: the
     decode tiling), `cascade` (the batch carries a cascade plan's arrays), and
     `num_decode` (> 0 in a mixed step: its one-token rows come first and run with the
-    decode tiling, `mixed_paged_attention`)."""
+    decode tiling, `mixed_paged_attention`), `extra` (some row processes its logits or
+    wants logprobs: the batch carries `pack_sampling`'s arrays)."""
 
     decode: bool
     cascade: bool
     num_decode: int
+    extra: bool = False
 
 
 class PackedRows(NamedTuple):
     """A packed step: its rows in device order, the packed buffers, the device order as
-    indices into the scheduled list (None when unchanged), and the step's kind."""
+    indices into the scheduled list (None when unchanged), the step's kind, and (an extra
+    step) the (sequence, prompt position) of each prompt-logprobs entry."""
 
     rows: list[ScheduledSeq]
     packed: PackedStep
     order: list[int] | None
     kind: StepKind
+    prompt_positions: list[tuple[Any, int]] = []
 
 
 class StepPacker:
@@ -65,19 +71,21 @@ class StepPacker:
         this step becomes the pending row of its sequence."""
         order = plan.order if plan is not None else None
         rows = list(scheduled) if order is None else list(map(scheduled.__getitem__, order))
-        packed = self._repack(rows, plan)
-        num_decode = 0
+        extra = any(map(_SAMPLING_EXTRA, map(_SEQ, rows)))
+        packed = None if extra else self._repack(rows, plan)
+        num_decode, positions = 0, []
         if packed is None:
             if plan is None:
                 rows, order, num_decode = _decode_rows_first(rows)
-            packed = self._pack(rows, plan, num_decode)
+            packed, positions = self._pack(rows, plan, num_decode, extra)
         seqs, _, num_new, samples = zip(*rows, strict=True) if rows else ((),) * 4
         if all(samples):  # (C-level when every row samples, as in decode steps)
             self.pending_rows = dict(zip(seqs, range(len(seqs)), strict=True))
         else:
             self.pending_rows = {sc.seq: i for i, sc in enumerate(rows) if sc.sample}
         decode = is_decode_step(num_new)
-        return PackedRows(rows, packed, order, StepKind(decode, plan is not None, num_decode))
+        return PackedRows(rows, packed, order,
+                          StepKind(decode, plan is not None, num_decode, extra), positions)
 
     def _repack(self, rows: list[ScheduledSeq], plan: CascadePlan | None) -> PackedStep | None:
         """A steady decode step's buffers advanced from the last step's, or None."""
@@ -89,10 +97,14 @@ class StepPacker:
             self.decode = None  # (kept again by `_pack` if this step decodes)
         return packed
 
-    def _pack(self, rows: list[ScheduledSeq], plan: CascadePlan | None, num_decode: int
-              ) -> PackedStep:
+    def _pack(self, rows: list[ScheduledSeq], plan: CascadePlan | None, num_decode: int,
+              extra: bool = False) -> tuple[PackedStep, list[tuple[Any, int]]]:
         cache = self.cache
         batch = pack_step(rows, self.block_size, self.buckets, cache, self.pending_rows)
+        positions: list[tuple[Any, int]] = []
+        if extra:
+            arrays, positions = pack_sampling(rows, len(batch["kv_lens"]), batch["cu_q_lens"])
+            batch |= arrays
         if plan is not None:
             batch |= pack_cascade(rows, plan, self.block_size, len(batch["kv_lens"]),
                                   self.buckets.min_blocks,
@@ -100,9 +112,13 @@ class StepPacker:
         if num_decode:
             batch["num_decode"] = np.array([num_decode], np.int32)
         packed = pack_flat(batch)
-        if cache is not None:
-            self.decode = remember_decode(cache, rows, plan, packed)
-        return packed
+        if cache is not None:  # (an extra step's arrays change every step: never repacked)
+            self.decode = None if extra else remember_decode(cache, rows, plan, packed)
+        return packed, positions
+
+
+_SEQ = attrgetter("seq")
+_SAMPLING_EXTRA = attrgetter("sampling_extra")
 
 
 def _decode_rows_first(rows: list[ScheduledSeq]

@@ -29,12 +29,15 @@ from models.layout import fuse_projections, unstack_layers
 
 
 class StepHandle(NamedTuple):
-    """A dispatched step: its launch (resolving to the device output), live rows, and
-    the device's row order (indices into the scheduled list; None when unchanged)."""
+    """A dispatched step: its launch (resolving to the device output), live rows, the
+    device's row order (indices into the scheduled list; None when unchanged), and for an
+    extra step (logits processing, logprobs) the (sequence, prompt position) of each
+    prompt-logprobs entry (None: a plain step)."""
 
     tokens: concurrent.futures.Future
     num_rows: int
     order: list[int] | None
+    prompt_positions: list[tuple[Any, int]] | None = None
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -188,7 +191,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if len(scheduled) > self.max_rows:
             raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
-        rows, (flat, layout, batch), order, kind = self.packer.pack(scheduled, plan)
+        rows, (flat, layout, batch), order, kind, positions = self.packer.pack(scheduled, plan)
         greedy = not batch["temperature"].any()
         bitmask = None if not token_masks else place_bitmask(
             rows, token_masks, len(batch["logits_idx"]), next(iter(token_masks.values())).size)
@@ -202,29 +205,33 @@ class ModelRunner:
                                    ) from self._failed
             try:
                 flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
-                tokens, self._kv_cache = step(
+                tokens, self._kv_cache, *logprobs = step(
                     self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
                     layout=layout, cfg=self.cfg, backend=self.backend, decode=kind.decode,
-                    greedy=greedy, cascade=kind.cascade, mesh=self.mesh)
+                    greedy=greedy, cascade=kind.cascade, mesh=self.mesh, extra=kind.extra)
                 # Queue the copy to the host now, so the tokens may be on the host already
                 # when the engine asks (async scheduling fetches a step's tokens after
                 # dispatching the next one) instead of the copy starting only then.
-                tokens.copy_to_host_async()
+                for out in (tokens, *jax.tree.leaves(logprobs)):
+                    out.copy_to_host_async()
             except Exception as exc:
                 self._failed = exc
                 raise
             self._last_tokens = tokens
-            return tokens
+            return (tokens, logprobs[0]) if logprobs else tokens
 
         self._last_launch = self._launcher.submit(launch)
         self.last_timing = (time.perf_counter() - t0, 0.0)
-        return StepHandle(self._last_launch, len(rows), order)
+        return StepHandle(self._last_launch, len(rows), order,
+                          positions if kind.extra else None)
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         """Waits for a dispatched step; returns the sampled token of every scheduled
         sequence, in `scheduled` order (also when a cascade plan regrouped them)."""
         t0 = time.perf_counter()
-        host_tokens = np.asarray(handle.tokens.result())[: handle.num_rows]
+        result = handle.tokens.result()
+        host_tokens = np.asarray(result[0] if isinstance(result, tuple) else result
+                                 )[: handle.num_rows]
         self.last_timing = (self.last_timing[0], time.perf_counter() - t0)
         if handle.order is None:
             return host_tokens
@@ -232,7 +239,27 @@ class ModelRunner:
         unordered[handle.order] = host_tokens
         return unordered
 
+    def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, tuple] | None:
+        """An extra step's logprobs on the host, None for a plain step: per scheduled row
+        (in `scheduled` order) (logprob [R], rank [R], top ids [R, k], top logprobs
+        [R, k]), and the same per prompt-logprobs entry (`handle.prompt_positions`)."""
+        result = handle.tokens.result()
+        if not isinstance(result, tuple):
+            return None
+        rows, prompt = jax.tree.map(np.asarray, result[1])
+        rows = tuple(a[: handle.num_rows] for a in rows)
+        if handle.order is not None:
+            rows = tuple(_unorder(a, handle.order) for a in rows)
+        return rows, tuple(a[: len(handle.prompt_positions)] for a in prompt)
+
     def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
         """Runs one step and waits for it (`dispatch` + `fetch`). Records (host seconds to
         pack and dispatch, seconds waiting for the device) in `last_timing`."""
         return self.fetch(self.dispatch(scheduled, plan))
+
+
+def _unorder(device_rows: np.ndarray, order: list[int]) -> np.ndarray:
+    """Rows in device order -> rows in scheduled order (device row i is scheduled order[i])."""
+    out = np.empty_like(device_rows)
+    out[order] = device_rows
+    return out

@@ -1,4 +1,4 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""On-device sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
 Everything here runs inside the jitted step, so only the sampled ids cross to the host.
 Each request's randomness is `fold_in(key(seed), num_generated)`: a request draws the
@@ -18,19 +18,22 @@ def sample(
     top_p: jax.Array,  # [S] float32, 1 = off
     seeds: jax.Array,  # [S] uint32
     counters: jax.Array,  # [S] int32, tokens generated so far
+    min_p: jax.Array | None = None,  # [S] float32, 0 = off; None: no row has one
 ) -> jax.Array:  # [S] int32
     """Samples one token per row; rows with temperature 0 take the argmax.
 
     (The engine skips this for all-greedy batches, a fact it knows on the host.)
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = _sample_random(logits, temperature, top_k, top_p, seeds, counters)
+    sampled = _sample_random(logits, temperature, top_k, top_p, seeds, counters, min_p)
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-def _sample_random(logits, temperature, top_k, top_p, seeds, counters):
+def _sample_random(logits, temperature, top_k, top_p, seeds, counters, min_p=None):
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]
+    if min_p is not None:
+        scaled = mask_min_p(scaled, min_p)
     order = jnp.argsort(-scaled, axis=-1)  # [S, V] descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     sorted_logits = _mask_top_k(sorted_logits, top_k)
@@ -51,3 +54,11 @@ def _mask_top_p(sorted_logits, top_p):
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
     keep = mass_before < top_p[:, None]  # always keeps the best token
     return jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def mask_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """vLLM's min-p on temperature-scaled logits [S, V]: drops (-inf) the tokens whose
+    probability is below `min_p` [S] times the row's top probability (min_p 0 keeps all)."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(keep, scaled, -jnp.inf)

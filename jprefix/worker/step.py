@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jprefix.core.sampling_params import MAX_LOGPROBS
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
+from jprefix.worker.logits_processing import process_logits, token_logprobs
 from jprefix.worker.parallel import per_shard
 from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
@@ -123,16 +125,19 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh"),
+    static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh",
+                     "extra"),
     donate_argnames=("kv_cache",),
     compiler_options=xla_flags.step_compiler_options(),
 )
 def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
          token_bitmask: jax.Array | None = None, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
-         greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None):
+         greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None,
+         extra: bool = False):
     """One engine step: returns (sampled token ids [P], updated kv_cache), P =
-    `prev_tokens.size` (rows beyond the batch are padding).
+    `prev_tokens.size` (rows beyond the batch are padding); with `extra`, a third item,
+    the logprobs (`_extra_sampling`).
 
     The batch arrives as one flat int32 buffer (`flatten_batch`). Tokens still pending on
     the host read their id from `prev_tokens`, the previous step's output (async
@@ -143,7 +148,10 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     tensor-parallel `mesh`, the KV write and attention run per device on its heads.
     `token_bitmask` ([S, ceil(V / 32)] int32, S the batch's rows; `worker.structured`)
     masks the logits of grammar-constrained rows before sampling; None (a step without
-    structured rows) traces no mask.
+    structured rows) traces no mask. It applies first, so the logprobs and every
+    processing stage see the grammar's -inf.
+    `extra` (some row has penalties, min_p, a logit bias or wants logprobs: the batch
+    carries `logits_processing`'s arrays) processes the logits before sampling.
     """
     batch = unflatten_batch(flat, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -171,9 +179,31 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
+    if extra:
+        tokens, logprobs = _extra_sampling(params, cfg, hidden, logits, batch, token_ids,
+                                           greedy)
+        return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache, logprobs
     if greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
     return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache
+
+
+def _extra_sampling(params, cfg: ModelConfig, hidden, logits, batch, token_ids, greedy: bool):
+    """Samples from the processed logits (`process_logits`, then min-p among the sampling
+    steps); returns the tokens [S] and the logprobs of the raw distribution: per row
+    (sampled token's logprob [S], rank [S], top-k ids [S, k], top-k logprobs [S, k]) and
+    the same per prompt position of `plp_idx` for its `plp_target` token, k =
+    min(MAX_LOGPROBS, V)."""
+    processed = process_logits(logits, batch, token_ids)
+    if greedy:
+        tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    else:
+        tokens = sample(processed, batch["temperature"], batch["top_k"], batch["top_p"],
+                        batch["seeds"], batch["counters"], batch["min_p"])
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]])
+    return tokens, (token_logprobs(logits, tokens, k),
+                    token_logprobs(prompt_logits, batch["plp_target"], k))
