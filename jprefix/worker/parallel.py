@@ -23,14 +23,16 @@ HEAD_VALUES = PartitionSpec(AXIS)  # [H]: one value per query head (ALiBi slopes
 REPLICATED = PartitionSpec()
 
 
-def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh | None:
-    """A 1-D "tp" mesh over the first `tensor_parallel_size` devices; None for 1."""
+def make_mesh(cfg: ModelConfig, tensor_parallel_size: int,
+              devices: list[Any] | None = None) -> Mesh | None:
+    """A 1-D "tp" mesh over the first `tensor_parallel_size` of `devices` (default: all
+    of this process's, `jax.devices()`); None for 1."""
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size {tp!r} must be a positive int")
     if tp == 1:
         return None
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size {tp} exceeds the {len(devices)} devices here")
     for name, heads in (("query heads", cfg.num_heads), ("kv heads", cfg.num_kv_heads)):
