@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
-from jprefix.core.prefix_trie import block_hash, root_hash
+from jprefix.core.prefix_trie import PrefixTrie, block_hash, root_hash
 
 ROUTING_POLICIES = ("prefix", "round_robin")
 # option name -> type, for "prefix:balance_rel=0.5,balance_abs=4096"
@@ -40,6 +40,17 @@ class CacheView(Protocol):
     replica: a set the front keeps from the replica's trie insert/evict events."""
 
     def __contains__(self, prefix_hash: object) -> bool: ...
+
+
+class TrieView:
+    """A replica's `PrefixTrie` as a `CacheView` (one dict lookup per block: safe to read
+    from another thread while the replica's scheduler changes the trie)."""
+
+    def __init__(self, trie: PrefixTrie):
+        self.trie = trie
+
+    def __contains__(self, prefix_hash: object) -> bool:
+        return self.trie.find(prefix_hash) is not None
 
 
 @dataclasses.dataclass

@@ -24,8 +24,8 @@ from typing import Any
 import jax
 
 from jprefix.core.outputs import RequestOutput
-from jprefix.core.prefix_cache import Prefix, PrefixCacheStats, PrefixTrie
-from jprefix.core.routing import Router
+from jprefix.core.prefix_cache import Prefix, PrefixCacheStats
+from jprefix.core.routing import Router, TrieView
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.llm_engine import LLMEngine
@@ -52,16 +52,6 @@ def summarize_stats(replicas: list[dict[str, Any]], **extra: Any) -> dict[str, A
     queried = out["num_queried_tokens"]
     out["hit_rate"] = out["num_hit_tokens"] / queried if queried else 0.0
     return out | extra | {"replicas": replicas}
-
-
-class _TrieView:
-    """A replica's trie as the router's `CacheView` (a dict lookup, safe while it steps)."""
-
-    def __init__(self, trie: PrefixTrie):
-        self.trie = trie
-
-    def __contains__(self, prefix_hash: object) -> bool:
-        return self.trie.find(prefix_hash) is not None
 
 
 class _StepStats:
@@ -138,7 +128,7 @@ class DataParallelEngine:
         # requests are validated against the smallest context any replica's cache holds
         front = min(self.replicas, key=lambda r: r.max_model_len)
         self.model, self.inputs, self.max_model_len = front.model, front.inputs, front.max_model_len
-        self.router = Router([_TrieView(r.scheduler.prefix_pool.trie) for r in self.replicas],
+        self.router = Router([TrieView(r.scheduler.prefix_pool.trie) for r in self.replicas],
                              args.block_size, args.routing_policy)
         self.prefix_pool = ReplicaPools(self.replicas)
         self.step_stats = _StepStats(self.replicas)

@@ -63,6 +63,12 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=True)
     srv.add_argument("--tensor-parallel-size", type=int, default=1)
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine replicas, each on its own --tensor-parallel-size devices")
+    srv.add_argument("--routing-policy", default="prefix",
+                     help="how requests pick a replica: prefix (cache affinity, least "
+                          "loaded otherwise; options 'prefix:balance_rel=0.25,"
+                          "balance_abs=2048') or round_robin")
     srv.add_argument("--max-num-seqs", type=int, default=256)
     srv.add_argument("--policy", default="fcfs")
     return parser
@@ -73,6 +79,7 @@ def run_serve(args) -> int:
     from jprefix.entrypoints.openai_server import serve
 
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+              data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy,
               load_format=args.load_format, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, policy=args.policy,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,

@@ -106,9 +106,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        s = llm.prefix_pool.stats()
-        return {k: getattr(s, k) for k in dir(s) if not k.startswith("_")
-                and isinstance(getattr(s, k), int | float)}
+        return llm.stats()  # prefix-cache counters, and per replica: LLM.stats
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
