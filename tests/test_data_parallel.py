@@ -158,6 +158,40 @@ ROUTING = COMMON + textwrap.dedent("""
     assert [s["requests"] for s in stats["replicas"]] == [2, 1], stats
     assert [s["kv_used_blocks"] for s in stats["replicas"]] == [0, 0]
     assert llm.reset_prefix_cache() and llm.stats()["num_cached_blocks"] == 0
+
+    # warmup and the prefix pool's surface over both replicas; the server's /stats
+    assert llm_a.reset_prefix_cache()
+    (warm,) = llm_a.warmup([prefixes[3]], pin=True)
+    home = [s["num_cached_blocks"] for s in llm_a.stats()["replicas"]].index(PREFIX // 8)
+    hits = [s["num_hit_tokens"] for s in llm_a.stats()["replicas"]]
+    out = llm_a.generate([prompts[3]], sp, prefix_pos=PREFIX, use_tqdm=False)[0]
+    assert out.num_cached_tokens == PREFIX
+    hits = [s["num_hit_tokens"] - h for s, h in zip(llm_a.stats()["replicas"], hits)]
+    assert hits[home] == PREFIX and sum(hits) == PREFIX  # served where it was warmed
+    assert not llm_a.reset_prefix_cache()  # pinned
+    assert llm_a.prefix_pool.delete_prefix(warm.hash) == PREFIX // 8
+    try:
+        llm_a.prefix_pool.delete_prefix(warm.hash)
+    except ValueError as e:
+        assert "any replica" in str(e)
+    else:
+        raise AssertionError("deleted twice")
+    from fastapi.testclient import TestClient
+    from jprefix.entrypoints.openai_server import build_app
+    with TestClient(build_app(llm_a)) as client:
+        body = {"prompt": prompts[5], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                "prefix_pos": PREFIX}
+        first = client.post("/v1/completions", json=body).json()
+        second = client.post("/v1/completions", json=body | {"stream": True})
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second.status_code == 200 and "[DONE]" in second.text
+        stats = client.get("/stats").json()
+    assert stats["data_parallel_size"] == 2 and len(stats["replicas"]) == 2
+    assert stats["num_hit_tokens"] == sum(r["num_hit_tokens"] for r in stats["replicas"])
+    assert {"requests", "queued_tokens", "hit_rate", "kv_usage", "running", "waiting",
+            "devices"} <= set(stats["replicas"][0])
+    one = llm1.stats()
+    assert one["data_parallel_size"] == 1 and one["replicas"][0]["requests"] == len(prompts)
 """)
 
 
