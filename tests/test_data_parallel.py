@@ -71,6 +71,27 @@ EQUAL = COMMON + textwrap.dedent("""
             assert message in str(e), (bad, e)
         else:
             raise AssertionError(f"{bad} accepted")
+
+    # the benchmarks take --data-parallel-size (and --routing-policy)
+    from scripts import bench_engine, bench_latency, bench_throughput
+    tiny_args = ["--model", "tiny-llama3", "--load-format", "dummy", "--dtype", "float32",
+                 "--block-size", "8", "--num-kv-blocks", "128"]
+    wl = ["--num-prompts", "12", "--input-len", "40", "--prefix-len", "32", "--output-len",
+          "2", "--num-prefixes", "4", "-dp", "2"]
+    runs = {p: bench_throughput.main([*tiny_args, *wl, "--routing-policy", p])["runs"][0]
+            for p in ("prefix", "round_robin")}
+    print(json.dumps({p: (r["prefill_tokens_computed"], r["replica_requests"])
+                      for p, r in runs.items()}))
+    computed = {p: r["prefill_tokens_computed"] for p, r in runs.items()}
+    assert computed["prefix"] < computed["round_robin"], computed
+    assert runs["round_robin"]["replica_requests"] == [6, 6]
+    assert sum(runs["prefix"]["replica_requests"]) == 12 and runs["prefix"]["errors"] == 0
+    lat = bench_latency.main([*tiny_args, *wl, "--request-rate", "200"])
+    assert lat["data_parallel_size"] == 2 and lat["trials"][0]["requests"] == 12
+    r = bench_engine.main(["--model", "tiny-llama3", "--dtype", "float32", "--num-prompts", "6",
+                           "--prefix-len", "32", "--unique-len", "8", "--output-len", "3",
+                           "--ttft-reps", "1", "--num-kv-blocks", "128", "--skip-off", "-dp", "2"])
+    assert r["data_parallel_size"] == 2 and r["throughput_on_out3"]["output_tok_s"] > 0
 """)
 
 ROUTING = COMMON + textwrap.dedent("""
