@@ -117,14 +117,21 @@ class DataParallelEngine:
     """`args.data_parallel_size` LLMEngines, each on its own `tensor_parallel_size`
     devices, behind one front that routes, aborts and steps them."""
 
-    def __init__(self, model: Any, args: EngineArgs, devices: list[Any] | None = None):
+    def __init__(self, model: Any, args: EngineArgs, devices: list[Any] | None = None,
+                 replicas: list[LLMEngine] | None = None):
         """`model`: a LoadedModel (each replica places a copy of its weights on its own
         devices) or a name (each replica loads it onto its devices); `devices`: the
-        devices to split into groups (default: all of this process's)."""
+        devices to split into groups (default: all of this process's). `replicas`:
+        engines built elsewhere to front instead (`model` and `devices` unused; host
+        benchmarks front engines over stub runners)."""
         self.args = args
-        self.device_groups = device_groups(args.data_parallel_size, args.tensor_parallel_size,
-                                           devices)
-        self.replicas = [LLMEngine(model, args, devices=g) for g in self.device_groups]
+        if replicas is None:
+            self.device_groups = device_groups(args.data_parallel_size,
+                                               args.tensor_parallel_size, devices)
+            replicas = [LLMEngine(model, args, devices=g) for g in self.device_groups]
+        else:
+            self.device_groups = [[] for _ in replicas]
+        self.replicas = replicas
         # requests are validated against the smallest context any replica's cache holds
         front = min(self.replicas, key=lambda r: r.max_model_len)
         self.model, self.inputs, self.max_model_len = front.model, front.inputs, front.max_model_len
