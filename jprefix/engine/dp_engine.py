@@ -21,28 +21,16 @@ import itertools
 import threading
 from typing import Any
 
-import jax
-
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import Prefix, PrefixCacheStats
 from jprefix.core.routing import Router, TrieView
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.llm_engine import LLMEngine
+from jprefix.worker.parallel import device_groups
 
 _CACHE_COUNTERS = ("num_queried_tokens", "num_hit_tokens", "num_cached_blocks",
                    "num_evictable_blocks")
-
-
-def device_groups(data_parallel_size: int, tensor_parallel_size: int,
-                  devices: list[Any] | None = None) -> list[list[Any]]:
-    """Replica i's devices: `devices[i * tp : (i + 1) * tp]` (default: `jax.devices()`)."""
-    devices = jax.devices() if devices is None else list(devices)
-    dp, tp = data_parallel_size, tensor_parallel_size
-    if dp * tp > len(devices):
-        raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} "
-                         f"devices; {len(devices)} are here")
-    return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
 
 
 def summarize_stats(replicas: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

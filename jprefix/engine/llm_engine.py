@@ -9,13 +9,10 @@ scheduling one step is in flight while the next is scheduled and dispatched.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import threading
 import time
 from typing import Any
-
-import jax
 
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.cascade import CascadePlan, CascadePlanner
@@ -31,7 +28,7 @@ from jprefix.engine.output_processor import OutputProcessor
 from jprefix.worker import xla_flags
 from jprefix.worker.model_runner import ModelRunner, StepHandle
 from jprefix.worker.pack import BucketConfig
-from jprefix.worker.parallel import make_mesh
+from jprefix.worker.parallel import make_mesh, placed_on
 from models.loader import LoadedModel, load, model_config
 
 
@@ -58,7 +55,7 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
     mesh = make_mesh(cfg, args.tensor_parallel_size, devices)
     device = devices[0] if devices is not None and mesh is None else None
     if owned:
-        with contextlib.nullcontext() if device is None else jax.default_device(device):
+        with placed_on(device):
             model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
     runner = ModelRunner(
         model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,

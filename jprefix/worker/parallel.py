@@ -9,6 +9,7 @@ contiguous blocks, so query head h still reads kv head h // G locally).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -39,6 +40,24 @@ def make_mesh(cfg: ModelConfig, tensor_parallel_size: int,
         if heads % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide the {heads} {name}")
     return Mesh(devices[:tp], (AXIS,))
+
+
+def device_groups(data_parallel_size: int, tensor_parallel_size: int,
+                  devices: list[Any] | None = None) -> list[list[Any]]:
+    """Data-parallel replica i's devices: `devices[i * tp : (i + 1) * tp]` (default: this
+    process's, `jax.devices()`)."""
+    devices = jax.devices() if devices is None else list(devices)
+    dp, tp = data_parallel_size, tensor_parallel_size
+    if dp * tp > len(devices):
+        raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} "
+                         f"devices; {len(devices)} are here")
+    return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
+
+
+def placed_on(device: Any) -> contextlib.AbstractContextManager:
+    """Arrays created in this context without a placement go to `device` (None: jax's
+    default device, unchanged)."""
+    return contextlib.nullcontext() if device is None else jax.default_device(device)
 
 
 def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
