@@ -232,3 +232,18 @@ def test_dp2_and_dp2_tp2_greedy_tokens_equal_dp1():
 
 def test_affinity_routing_hot_prefix_and_aborts_on_the_replica_that_held_them():
     _run_four_devices(ROUTING)
+
+
+def test_serve_passes_data_parallel_flags_to_the_engine(monkeypatch):
+    import jprefix
+    from jprefix.entrypoints import cli, openai_server
+
+    made = {}
+    monkeypatch.setattr(jprefix, "LLM", lambda model, **kw: made.update(kw, model=model))
+    monkeypatch.setattr(openai_server, "serve", lambda llm, host, port, **kw: None)
+    assert cli.main(["serve", "--model", "tiny-llama", "--data-parallel-size", "2",
+                     "--routing-policy", "round_robin", "--tensor-parallel-size", "2"]) == 0
+    assert (made["data_parallel_size"], made["routing_policy"],
+            made["tensor_parallel_size"]) == (2, "round_robin", 2)
+    args = cli._build_parser().parse_args(["serve"])
+    assert (args.data_parallel_size, args.routing_policy) == (1, "prefix")

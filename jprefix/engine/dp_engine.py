@@ -62,7 +62,8 @@ class _StepStats:
 class ReplicaPools:
     """`PrefixPool`'s user surface over every replica's pool: a prefix registered, pinned
     or deleted is so on every replica (pinning holds the blocks a replica has cached);
-    stats are summed; reset succeeds only if every replica's does."""
+    stats are summed; `reset` resets every replica whose blocks are all free and says
+    whether all were."""
 
     def __init__(self, replicas: list[LLMEngine]):
         self.pools = [r.scheduler.prefix_pool for r in replicas]

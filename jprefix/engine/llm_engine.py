@@ -256,7 +256,7 @@ class LLMEngine:
         cache, blocks = self.scheduler.prefix_pool.stats(), self.scheduler.block_manager
         used, total = blocks.num_used_blocks, blocks.num_blocks - 1
         return {"requests": self.num_requests, "running": len(running),
-                "waiting": len(unfinished) - len(running),
+                "waiting": max(0, len(unfinished) - len(running)),  # (two snapshots)
                 "queued_tokens": sum(s.num_prompt_tokens for s in unfinished)
                 + sum(s.num_output_tokens for s in running),
                 "num_queried_tokens": cache.num_queried_tokens,
