@@ -50,6 +50,9 @@ EQUAL = COMMON + textwrap.dedent("""
             groups = [sorted(d.id for d in r.runner.kv_cache[0].devices())
                       for r in llm.engine.replicas]
             assert groups == ([[0], [1]] if tp == 1 else [[0, 1], [2, 3]]), groups
+            weights = [{d.id for x in jax.tree.leaves(r.runner.params) for d in x.devices()}
+                       for r in llm.engine.replicas]
+            assert weights == [set(g) for g in groups], weights
             stats = llm.stats()
             assert [r["requests"] for r in stats["replicas"]] == (
                 [6, 1] if policy == "prefix" else [4, 3]), stats  # the shared six on one
@@ -62,6 +65,13 @@ EQUAL = COMMON + textwrap.dedent("""
     assert all(v == first for v in out.values())
     assert jprefix.generate(tiny, prompts[:2], 24, sp, data_parallel_size=2,
                             **KW)[1].token_ids == first[1]
+    # by name: each replica loads the model onto its own device
+    named = LLM("tiny-llama3", dtype="float32", load_format="dummy", data_parallel_size=2,
+                routing_policy="round_robin", **KW)
+    assert [{d.id for x in jax.tree.leaves(r.model.params) for d in x.devices()}
+            for r in named.engine.replicas] == [{0}, {1}]
+    got = named.generate(prompts, sp, prefix_pos=pos, use_tqdm=False)
+    assert [o.token_ids for o in got] == first  # dummy weights from the same seed
     for bad, message in ((dict(data_parallel_size=3, tensor_parallel_size=2), "needs 6"),
                          (dict(data_parallel_size=0), "data_parallel_size 0"),
                          (dict(data_parallel_size=2, routing_policy="random"), "'random'")):

@@ -145,8 +145,9 @@ class ModelRunner:
         if mesh is not None and device is not None:
             raise ValueError("a runner takes a mesh or a device, not both")
         placed = None if device is None else SingleDeviceSharding(device)
-        if placed is not None:
-            moved = jax.device_put(params, device)
+        if placed is not None:  # (an array there already is kept as it is, not re-put)
+            moved = jax.tree.map(
+                lambda x: x if x.devices() == {device} else jax.device_put(x, placed), params)
             if donate_params:  # the copies elsewhere are not needed
                 kept = {id(x) for x in jax.tree.leaves(moved)}
                 for x in jax.tree.leaves(params):
