@@ -30,6 +30,11 @@ def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> lis
     return [shared + rng.integers(10, vocab, unique).tolist() for _ in range(n)]
 
 
+def replicas(llm: LLM) -> list:
+    """The engine's replicas (LLMEngines): one without data parallelism."""
+    return getattr(llm.engine, "replicas", [llm.engine])
+
+
 def sampling_features(output_len: int) -> SamplingParams:
     """Every sampling feature on at once (`--compare-sampling`): temperature, top-p,
     min-p, the three penalties, a logit bias and 5 logprobs per token."""
@@ -47,7 +52,7 @@ def run_throughput(llm: LLM, prompts, prefix_len, output_len: int,
     for _ in range(2):  # the first run compiles
         llm.reset_prefix_cache()
         llm.engine.step_stats.clear()
-        blocks = llm.engine.scheduler.block_manager
+        blocks = [r.scheduler.block_manager for r in replicas(llm)]
         peak = 0
         start = time.perf_counter()
         llm.engine.step_stats.clear()
@@ -56,7 +61,7 @@ def run_throughput(llm: LLM, prompts, prefix_len, output_len: int,
         done = 0
         while done < len(prompts):
             done += len(llm.engine.step())
-            peak = max(peak, blocks.num_blocks - 1 - blocks.num_free_blocks)
+            peak = max(peak, sum(b.num_blocks - 1 - b.num_free_blocks for b in blocks))
         elapsed = time.perf_counter() - start
         best = dict(elapsed_s=elapsed, peak_used_blocks=peak, stats=list(llm.engine.step_stats))
     out_tokens = len(prompts) * output_len
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="step inputs in device buffers refilled in place (auto: where "
                          "XLA records command buffers)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="engine replicas, one device each (requests routed by prefix)")
     args = ap.parse_args(argv)
     if args.ttft_only and args.ttft_reps < 1:
         ap.error("--ttft-only measures nothing with --ttft-reps < 1")
@@ -164,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
                            model.config.vocab_size, 0)
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
                      "prefix_len": args.prefix_len, "unique_len": args.unique_len,
-                     "xla_flags": os.environ.get("XLA_FLAGS", "")}
+                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                     "data_parallel_size": args.data_parallel_size}
     fixed = {"auto": None, "on": True, "off": False}[args.fixed_inputs]
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
@@ -177,10 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
     for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
                   enable_cascade=cascade, fixed_inputs=fixed,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
-        results[f"fixed_inputs_{tag}"] = llm.engine.runner.fixed_inputs is not None
-        num_blocks = llm.engine.scheduler.block_manager.num_blocks
-        results[f"num_kv_blocks_{tag}"] = llm.engine.scheduler.block_manager.num_blocks
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                  data_parallel_size=args.data_parallel_size)
+        first = replicas(llm)[0]
+        results[f"fixed_inputs_{tag}"] = first.runner.fixed_inputs is not None
+        num_blocks = first.scheduler.block_manager.num_blocks
+        results[f"num_kv_blocks_{tag}"] = num_blocks
         for out_len in [] if args.ttft_only else args.output_len:
             r = run_throughput(llm, prompts, args.prefix_len, out_len,
                                features=tag == "on_sampling")

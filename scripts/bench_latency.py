@@ -29,6 +29,7 @@ from scripts.bench_throughput import (
     format_table,
     make_llm,
     make_seq,
+    replicas,
     run_once,
     write_json,
 )
@@ -94,13 +95,13 @@ def summarize(trace: dict, rate: float) -> dict:
 def measure(llm, reqs: list, rate: float, seed: int, retries: int = 2) -> dict:
     """One trace at rate; measured again (up to retries times) if it had to compile a
     new shape bucket, so no trial reports a compilation stall."""
-    shapes = llm.engine.runner.shapes_seen
+    shapes = [r.runner.shapes_seen for r in replicas(llm)]
     for _ in range(retries + 1):
         if not llm.reset_prefix_cache():
             raise RuntimeError("prefix cache still in use after a finished trace")
-        seen = len(shapes)
+        seen = sum(map(len, shapes))
         result = summarize(run_trace(llm, reqs, arrival_times(len(reqs), rate, seed)), rate)
-        result["compiled_during_trace"] = len(shapes) > seen
+        result["compiled_during_trace"] = sum(map(len, shapes)) > seen
         if not result["compiled_during_trace"]:
             break
         print(f"rate {rate:.3f}: new shape buckets compiled, measuring again", flush=True)
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         trials, best, over = sweep(llm, reqs, args)
     else:
         trials = [measure(llm, reqs, rate, args.seed) for rate in args.request_rate]
-    conf = dict(policy=args.policy, enable_prefix_caching=args.enable_prefix_caching)
+    conf = dict(policy=args.policy, enable_prefix_caching=args.enable_prefix_caching,
+                data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy)
     trials = [{**conf, **t} for t in trials]
     result = dict(benchmark="latency", model=args.model, args=vars(args), trials=trials,
                   latency_bound_ms=args.latency_bound_ms, latency_metric=args.latency_metric,

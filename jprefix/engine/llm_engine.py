@@ -32,7 +32,7 @@ from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker import xla_flags
 from jprefix.worker.model_runner import ModelRunner, StepHandle
 from jprefix.worker.pack import BucketConfig
-from jprefix.worker.parallel import make_mesh
+from jprefix.worker.parallel import make_mesh, placed_on
 from models.loader import LoadedModel, load, model_config
 
 
@@ -44,23 +44,29 @@ class _InFlight:
     t_dispatched: float
 
 
-def build_runner(model: LoadedModel | str, args: EngineArgs) -> tuple[LoadedModel, ModelRunner]:
+def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] | None = None
+                 ) -> tuple[LoadedModel, ModelRunner]:
     """The model (loaded here when given by name) and its runner: the one place the mesh
     is made. A model loaded here is handed to the runner, which replaces its weights by
     the step's layout (one copy on the device); a LoadedModel passed in is left as is and
-    the runner keeps the step's layout beside it (unless it is in that layout already)."""
+    the runner keeps the step's layout beside it (unless it is in that layout already).
+    `devices`: the device group of a data-parallel replica (`tensor_parallel_size` of
+    them; its weights, cache and steps stay on them); None: the first devices, placed as
+    jax places by default."""
     xla_flags.apply()
     owned = not isinstance(model, LoadedModel)
     cfg = model_config(model, args.load_format) if owned else model.config
-    mesh = make_mesh(cfg, args.tensor_parallel_size)
+    mesh = make_mesh(cfg, args.tensor_parallel_size, devices)
+    device = devices[0] if devices is not None and mesh is None else None
     if owned:
-        model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
+        with placed_on(device):
+            model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
     runner = ModelRunner(
         model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
         backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),
         unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
-        fixed_inputs=args.fixed_inputs, donate_params=owned,
+        fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,
     )
     if owned:
         model = dataclasses.replace(model, params=runner.params)
@@ -100,13 +106,13 @@ class LLMEngine:
     """Owns the scheduler (host) and the model runner (device)."""
 
     def __init__(self, model: LoadedModel | str, args: EngineArgs | None = None,
-                 runner: Any = None):
+                 runner: Any = None, devices: list[Any] | None = None):
         """`model`: a LoadedModel or a name `models.loader.load` takes (see `build_runner`).
         `runner`: a ModelRunner-like object to use instead of building one (benchmarks of
-        the host side run the engine over a stub)."""
+        the host side run the engine over a stub). `devices`: `build_runner`'s."""
         self.args = args or EngineArgs()
         if runner is None:
-            model, runner = build_runner(model, self.args)
+            model, runner = build_runner(model, self.args, devices)
         self.model, self.runner = model, runner
         cfg = model.config
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
@@ -129,6 +135,7 @@ class LLMEngine:
         self._step_lock = threading.Lock()
         self._inflight: _InFlight | None = None  # dispatched, tokens not yet processed
         self._last_processed = 0.0
+        self.num_requests = 0  # requests the scheduler received
 
     def _make_scheduler(self, num_blocks: int) -> Scheduler:
         cfg = SchedulerConfig(
@@ -272,6 +279,7 @@ class LLMEngine:
         while self._pending:
             seq = self._pending.popleft()
             self._live[seq.request_id] = seq
+            self.num_requests += 1
             self.scheduler.add(seq)
             self.outputs.add(seq)
             self.structured.admit(seq)
@@ -281,6 +289,26 @@ class LLMEngine:
             if seq is not None and self.scheduler.abort(seq.request_id):
                 aborted.append(seq)
         return aborted
+
+    def counters(self) -> dict[str, Any]:
+        """This engine's counters, safe to read from another thread while it steps:
+        requests received, running and waiting; queued tokens (the prompt tokens of every
+        unfinished request plus the output tokens of the running ones: what the
+        data-parallel router balances); the prefix cache's counters and hit rate; KV
+        blocks used of the cache's (block 0, the null block, not counted)."""
+        unfinished = list(self._live.values()) + list(self._pending)
+        running = list(self.scheduler.running.values())
+        cache, blocks = self.scheduler.prefix_pool.stats(), self.scheduler.block_manager
+        used, total = blocks.num_used_blocks, blocks.num_blocks - 1
+        return {"requests": self.num_requests, "running": len(running),
+                "waiting": max(0, len(unfinished) - len(running)),  # (two snapshots)
+                "queued_tokens": sum(s.num_prompt_tokens for s in unfinished)
+                + sum(s.num_output_tokens for s in running),
+                "num_queried_tokens": cache.num_queried_tokens,
+                "num_hit_tokens": cache.num_hit_tokens, "hit_rate": cache.hit_rate,
+                "num_cached_blocks": cache.num_cached_blocks,
+                "num_evictable_blocks": cache.num_evictable_blocks,
+                "kv_used_blocks": used, "kv_total_blocks": total, "kv_usage": used / total}
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         for seq in finished:

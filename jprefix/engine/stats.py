@@ -63,6 +63,23 @@ class EngineStats:
         self._last_token: weakref.WeakKeyDictionary[Sequence, float] = \
             weakref.WeakKeyDictionary()
 
+    @classmethod
+    def merged(cls, parts: Iterable[EngineStats]) -> EngineStats:
+        """The sum of several engines' counters and histograms (data-parallel replicas:
+        one /metrics for all of them); a snapshot, not updated afterwards."""
+        out = cls()
+        for part in parts:
+            out.prompt_tokens += part.prompt_tokens
+            out.generation_tokens += part.generation_tokens
+            out.num_preemptions += part.num_preemptions
+            out.finished.update(part.finished)
+            for name in ("ttft", "itl", "e2e"):
+                mine, theirs = getattr(out, name), getattr(part, name)
+                mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts, strict=True)]
+                mine.sum += theirs.sum
+                mine.count += theirs.count
+        return out
+
     def record_schedule(self, out: SchedulerOutput) -> None:
         self.num_preemptions += len(out.preempted)
 

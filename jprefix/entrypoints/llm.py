@@ -13,6 +13,7 @@ from jprefix.core.outputs import RequestOutput
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs, resolve_dtype
+from jprefix.engine.dp_engine import DataParallelEngine, summarize_stats
 from jprefix.engine.input_processor import as_prompt_list, broadcast, render_chat
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.engine.parallel_sampling import SampleGroup, merge
@@ -54,13 +55,17 @@ class LLM:
         **engine_kwargs: Any,
     ):
         """`model`: a name `jprefix.load` takes (loaded here, in the engine's layout) or a
-        LoadedModel; `engine_kwargs`: EngineArgs' fields."""
+        LoadedModel; `engine_kwargs`: EngineArgs' fields. With `data_parallel_size=N`
+        (N > 1) the engine is a `DataParallelEngine`: N replicas, each on its own
+        `tensor_parallel_size` devices, requests routed by `routing_policy`."""
         unknown = set(engine_kwargs) - _ENGINE_FIELDS
         if unknown:
             raise ValueError(f"unknown engine arguments {sorted(unknown)}")
         args = EngineArgs(tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                           load_format=load_format, **engine_kwargs)
-        self.engine = LLMEngine(model, args)
+        self.engine: LLMEngine | DataParallelEngine = (
+            DataParallelEngine(model, args) if args.data_parallel_size > 1
+            else LLMEngine(model, args))
         self._driver = AsyncDriver(self.engine)
 
     @property
@@ -69,11 +74,27 @@ class LLM:
 
     @property
     def scheduler(self):
+        if isinstance(self.engine, DataParallelEngine):
+            raise ValueError(f"data_parallel_size {len(self.engine.replicas)}: each replica "
+                             "has its own scheduler (llm.engine.replicas[i].scheduler)")
         return self.engine.scheduler
 
     @property
     def prefix_pool(self):
+        """The prefix cache's user surface (over every replica's with data parallelism)."""
+        if isinstance(self.engine, DataParallelEngine):
+            return self.engine.prefix_pool
         return self.engine.scheduler.prefix_pool
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /stats: the prefix cache's (summed over replicas: queried and hit
+        tokens, hit rate, cached and evictable blocks), `data_parallel_size`, and
+        `replicas`, one dict per replica (requests, running, waiting, queued tokens, its
+        hit rate, KV blocks used and usage; `LLMEngine.stats`)."""
+        if isinstance(self.engine, DataParallelEngine):
+            return self.engine.counters()
+        return summarize_stats([self.engine.counters() | {"replica": 0}],
+                               data_parallel_size=1)
 
     def generate(
         self,
@@ -225,7 +246,9 @@ def generate(
     """Functional form: `generate(jprefix.load("smollm2-135m"), prompts, prefix_len)`.
 
     `prefix_len` is one int for all prompts, one per prompt, or None (automatic mode: every
-    full prompt block is shareable); `cache_salt` as in `LLM.generate`.
+    full prompt block is shareable); `cache_salt` as in `LLM.generate`. `engine_kwargs`:
+    `LLM`'s (`tensor_parallel_size`, `data_parallel_size`, `routing_policy`, EngineArgs'
+    fields).
     """
     use_tqdm = engine_kwargs.pop("use_tqdm", False)
     llm = LLM(params, **engine_kwargs)

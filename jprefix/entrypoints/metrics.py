@@ -27,30 +27,26 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def engine_snapshot(llm: LLM) -> dict[str, Any]:
-    """Requests, blocks and prefix-cache counters now. Blocks: `num_total_blocks` usable
-    (block 0 is the null block) = `num_used_blocks` (held by requests or pinned) +
-    `num_free_blocks` (allocatable, `num_evictable_blocks` of them still cached);
-    `num_cached_blocks` are prefix-trie blocks, in use or evictable."""
-    engine = llm.engine
-    sched, blocks = engine.scheduler, engine.scheduler.block_manager
-    pool = sched.prefix_pool.stats()
-    total = blocks.num_blocks - 1
-    return {
-        "num_requests_running": len(sched.running),
-        "num_requests_waiting": len(sched.waiting),
+    """Requests, blocks and prefix-cache counters now, summed over data-parallel replicas
+    (`LLM.stats`, whose per-replica dicts and routing fields it keeps). Blocks:
+    `num_total_blocks` usable (block 0 is the null block) = `num_used_blocks` (held by
+    requests or pinned) + `num_free_blocks` (allocatable, `num_evictable_blocks` of them
+    still cached); `num_cached_blocks` are prefix-trie blocks, in use or evictable."""
+    summary, stats = llm.stats(), llm.engine.stats
+    replicas = summary["replicas"]
+    total = sum(r["kv_total_blocks"] for r in replicas)
+    used = sum(r["kv_used_blocks"] for r in replicas)
+    return summary | {
+        "num_requests_running": sum(r["running"] for r in replicas),
+        "num_requests_waiting": sum(r["waiting"] for r in replicas),
         "num_total_blocks": total,
-        "num_used_blocks": blocks.num_used_blocks,
-        "num_free_blocks": blocks.num_free_blocks,
-        "num_cached_blocks": pool.num_cached_blocks,
-        "num_evictable_blocks": pool.num_evictable_blocks,
-        "kv_cache_usage": blocks.num_used_blocks / total,
-        "num_queried_tokens": pool.num_queried_tokens,
-        "num_hit_tokens": pool.num_hit_tokens,
-        "hit_rate": pool.hit_rate,
-        "num_preemptions": engine.stats.num_preemptions,
-        "prompt_tokens": engine.stats.prompt_tokens,
-        "generation_tokens": engine.stats.generation_tokens,
-        "num_finished_requests": dict(engine.stats.finished),
+        "num_used_blocks": used,
+        "num_free_blocks": total - used,
+        "kv_cache_usage": used / total,
+        "num_preemptions": stats.num_preemptions,
+        "prompt_tokens": stats.prompt_tokens,
+        "generation_tokens": stats.generation_tokens,
+        "num_finished_requests": dict(stats.finished),
     }
 
 

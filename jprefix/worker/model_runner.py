@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jprefix.core.cascade import CascadePlan
 from jprefix.worker import xla_flags
@@ -76,12 +76,12 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
 
 def auto_num_blocks(
     cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int,
-    num_shards: int = 1,
+    num_shards: int = 1, device: Any = None,
 ) -> int:
-    """KV blocks that fit in `memory_fraction` of the device memory free now (`cpu_blocks`
-    where device memory cannot be measured); each of `num_shards` devices holds 1/num_shards
-    of every block."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """KV blocks that fit in `memory_fraction` of the device memory free now on `device`
+    (default: the first; `cpu_blocks` where device memory cannot be measured); each of
+    `num_shards` devices holds 1/num_shards of every block."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         return cpu_blocks
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -134,26 +134,42 @@ class ModelRunner:
         max_num_seqs: int = 256,
         fixed_inputs: bool | None = None,
         donate_params: bool = False,
+        device: Any = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
         cache for tensor parallelism; `donate_params`: see `prepare_params`. `fixed_inputs`
         passes each step's packed buffers in device buffers refilled in place
-        (`FixedInputs`); None: where XLA records command buffers."""
+        (`FixedInputs`); None: where XLA records command buffers. `device` (no `mesh`):
+        the one device weights, cache and steps live on (a data-parallel replica's;
+        None: the default device), the weights copied there if they are elsewhere."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+        if mesh is not None and device is not None:
+            raise ValueError("a runner takes a mesh or a device, not both")
+        placed = None if device is None else SingleDeviceSharding(device)
+        if placed is not None:  # (an array there already is kept as it is, not re-put)
+            moved = jax.tree.map(
+                lambda x: x if x.devices() == {device} else jax.device_put(x, placed), params)
+            if donate_params:  # the copies elsewhere are not needed
+                kept = {id(x) for x in jax.tree.leaves(moved)}
+                for x in jax.tree.leaves(params):
+                    if id(x) not in kept:
+                        x.delete()
+            params = moved
         self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params)
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
         if num_blocks is None:
             num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
-                                         cpu_num_blocks, 1 if mesh is None else mesh.size)
+                                         cpu_num_blocks, 1 if mesh is None else mesh.size,
+                                         device if mesh is None else mesh.devices.flat[0])
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
-                        out_shardings=None if mesh is None else kv_sharding(mesh))
+                        out_shardings=placed if mesh is None else kv_sharding(mesh))
         self._kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
         self.packer = StepPacker(block_size, self.buckets)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
@@ -167,9 +183,12 @@ class ModelRunner:
         # every step returns max_rows token ids: the next step may read its pending ones
         self.max_rows = bucket(max_num_seqs, self.buckets.min_seqs)
         self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        if placed is not None:
+            self._last_tokens = jax.device_put(self._last_tokens, placed)
         if fixed_inputs is None:
             fixed_inputs = jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
-        self.fixed_inputs = (FixedInputs(None if mesh is None else NamedSharding(mesh, REPLICATED))
+        self.fixed_inputs = (FixedInputs(placed if mesh is None
+                                         else NamedSharding(mesh, REPLICATED))
                              if fixed_inputs else None)
 
     @property

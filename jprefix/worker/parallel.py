@@ -9,6 +9,7 @@ contiguous blocks, so query head h still reads kv head h // G locally).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -23,20 +24,40 @@ HEAD_VALUES = PartitionSpec(AXIS)  # [H]: one value per query head (ALiBi slopes
 REPLICATED = PartitionSpec()
 
 
-def make_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> Mesh | None:
-    """A 1-D "tp" mesh over the first `tensor_parallel_size` devices; None for 1."""
+def make_mesh(cfg: ModelConfig, tensor_parallel_size: int,
+              devices: list[Any] | None = None) -> Mesh | None:
+    """A 1-D "tp" mesh over the first `tensor_parallel_size` of `devices` (default: all
+    of this process's, `jax.devices()`); None for 1."""
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size {tp!r} must be a positive int")
     if tp == 1:
         return None
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size {tp} exceeds the {len(devices)} devices here")
     for name, heads in (("query heads", cfg.num_heads), ("kv heads", cfg.num_kv_heads)):
         if heads % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide the {heads} {name}")
     return Mesh(devices[:tp], (AXIS,))
+
+
+def device_groups(data_parallel_size: int, tensor_parallel_size: int,
+                  devices: list[Any] | None = None) -> list[list[Any]]:
+    """Data-parallel replica i's devices: `devices[i * tp : (i + 1) * tp]` (default: this
+    process's, `jax.devices()`)."""
+    devices = jax.devices() if devices is None else list(devices)
+    dp, tp = data_parallel_size, tensor_parallel_size
+    if dp * tp > len(devices):
+        raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} "
+                         f"devices; {len(devices)} are here")
+    return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
+
+
+def placed_on(device: Any) -> contextlib.AbstractContextManager:
+    """Arrays created in this context without a placement go to `device` (None: jax's
+    default device, unchanged)."""
+    return contextlib.nullcontext() if device is None else jax.default_device(device)
 
 
 def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:

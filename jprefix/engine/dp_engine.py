@@ -1,0 +1,241 @@
+"""Data parallelism: N engine replicas on disjoint device groups behind one front.
+
+`DataParallelEngine` has the surface `LLM` and the async driver use of an `LLMEngine`
+(`make_sequence`, `add_sequence`, `abort_request`, `step`, `has_unfinished_requests`):
+it owns the request ids (one input processor makes every sequence), routes each request
+to a replica (`jprefix.core.routing.Router`: prefix affinity read from the replicas'
+tries, least loaded on ties and misses, the imbalance bound), forwards aborts to the
+replica holding the request, and steps every replica with work in turn from the caller's
+thread. Each replica is a whole LLMEngine (scheduler, prefix cache, runner) on
+`tensor_parallel_size` devices of its own; with async scheduling a replica's next step is
+on its devices while the others' host work runs, so the devices overlap.
+
+One process drives all replicas (docs/ARCHITECTURE.md, "Data parallelism", says why and
+how replicas on other hosts fit): the router needs of a replica only a `CacheView` of its
+trie and its load, and of the rest the engine surface above.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+from jprefix.core.outputs import RequestOutput
+from jprefix.core.prefix_cache import Prefix, PrefixCacheStats
+from jprefix.core.routing import Router, TrieView
+from jprefix.core.sequence import Sequence
+from jprefix.engine.args import EngineArgs
+from jprefix.engine.llm_engine import LLMEngine
+from jprefix.engine.parallel_sampling import SampleGroup, fan_out
+from jprefix.engine.stats import EngineStats
+from jprefix.worker.parallel import device_groups
+
+_CACHE_COUNTERS = ("num_queried_tokens", "num_hit_tokens", "num_cached_blocks",
+                   "num_evictable_blocks")
+
+
+def summarize_stats(replicas: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The /stats body: the prefix cache's counters summed over replicas (the keys and
+    hit rate a single engine reports), `extra`, and `replicas`, one dict per replica."""
+    out: dict[str, Any] = {k: sum(r[k] for r in replicas) for k in _CACHE_COUNTERS}
+    queried = out["num_queried_tokens"]
+    out["hit_rate"] = out["num_hit_tokens"] / queried if queried else 0.0
+    return out | extra | {"replicas": replicas}
+
+
+class _StepStats:
+    """Every replica's `step_stats` as one sequence (benchmarks clear and read them)."""
+
+    def __init__(self, replicas: list[LLMEngine]):
+        self._replicas = replicas
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(r.step_stats for r in self._replicas)
+
+    def __len__(self) -> int:
+        return sum(len(r.step_stats) for r in self._replicas)
+
+    def clear(self) -> None:
+        for r in self._replicas:
+            r.step_stats.clear()
+
+
+class ReplicaPools:
+    """`PrefixPool`'s user surface over every replica's pool: a prefix registered, pinned
+    or deleted is so on every replica (pinning holds the blocks a replica has cached);
+    stats are summed; `reset` resets every replica whose blocks are all free and says
+    whether all were."""
+
+    def __init__(self, replicas: list[LLMEngine]):
+        self.pools = [r.scheduler.prefix_pool for r in replicas]
+
+    def add_or_get_prefix(self, token_ids: Any, prefix_len: int | None = None,
+                          salt: str | None = None, pin: bool = False) -> Prefix:
+        return [p.add_or_get_prefix(token_ids, prefix_len, salt, pin) for p in self.pools][0]
+
+    def get_prefix(self, prefix_hash: int) -> Prefix | None:
+        return self.pools[0].get_prefix(prefix_hash)
+
+    def pin(self, prefix_hash: int) -> int:
+        return sum(p.pin(prefix_hash) for p in self.pools)
+
+    def unpin(self, prefix_hash: int) -> None:
+        for p in self.pools:
+            p.unpin(prefix_hash)
+
+    def delete_prefix(self, prefix_hash: int) -> int:
+        """Deletes it wherever it is registered or cached; ValueError if nowhere."""
+        freed, found = 0, False
+        for p in self.pools:
+            if p.get_prefix(prefix_hash) is not None or p.trie.find(prefix_hash) is not None:
+                freed += p.delete_prefix(prefix_hash)
+                found = True
+        if not found:
+            raise ValueError(f"prefix_hash {prefix_hash} is neither registered nor cached "
+                             "on any replica")
+        return freed
+
+    def reset(self) -> bool:
+        return all([p.reset() for p in self.pools])  # (a list: every pool tries)
+
+    def stats(self) -> PrefixCacheStats:
+        each = [p.stats() for p in self.pools]
+        return PrefixCacheStats(*(sum(getattr(s, k) for s in each) for k in _CACHE_COUNTERS))
+
+
+class DataParallelEngine:
+    """`args.data_parallel_size` LLMEngines, each on its own `tensor_parallel_size`
+    devices, behind one front that routes, aborts and steps them."""
+
+    def __init__(self, model: Any, args: EngineArgs, devices: list[Any] | None = None,
+                 replicas: list[LLMEngine] | None = None):
+        """`model`: a LoadedModel (each replica places a copy of its weights on its own
+        devices) or a name (each replica loads it onto its devices); `devices`: the
+        devices to split into groups (default: all of this process's). `replicas`:
+        engines built elsewhere to front instead (`model` and `devices` unused; host
+        benchmarks front engines over stub runners)."""
+        self.args = args
+        if replicas is None:
+            self.device_groups = device_groups(args.data_parallel_size,
+                                               args.tensor_parallel_size, devices)
+            replicas = [LLMEngine(model, args, devices=g) for g in self.device_groups]
+        else:
+            self.device_groups = [[] for _ in replicas]
+        self.replicas = replicas
+        # requests are validated against the smallest context any replica's cache holds
+        front = min(self.replicas, key=lambda r: r.max_model_len)
+        self.model, self.inputs, self.max_model_len = front.model, front.inputs, front.max_model_len
+        self.router = Router([TrieView(r.scheduler.prefix_pool.trie) for r in self.replicas],
+                             args.block_size, args.routing_policy)
+        # one grammar manager for all replicas: a structured request is validated (its
+        # grammar compiled) before it is routed, and the matchers are keyed by sequence,
+        # so any replica's steps find theirs (a replica may wait for a structured token
+        # of another's in flight: only a lost overlap, never a wrong mask)
+        self.structured = self.replicas[0].structured
+        for replica in self.replicas[1:]:
+            replica.structured = self.structured
+        self.prefix_pool = ReplicaPools(self.replicas)
+        self.step_stats = _StepStats(self.replicas)
+        self._lock = threading.Lock()  # the router (add, abort and step run on any thread)
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def make_sequence(self, prompt: Any, sampling_params: Any = None,
+                      prefix_len: int | None = None, request_id: str | None = None,
+                      cache_salt: str | None = None) -> Sequence:
+        """Validates one request and builds its Sequence (its grammar compiled, if it has
+        one); the front names it."""
+        seq = self.inputs.make_sequence(prompt, sampling_params, prefix_len, request_id,
+                                        cache_salt)
+        self.structured.prepare(seq)
+        return seq
+
+    def make_request(self, prompt: Any, sampling_params: Any = None,
+                     prefix_len: int | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> SampleGroup:
+        """`LLMEngine.make_request`: the sequences of one request's samples, each routed
+        on its own when queued (they share the prompt's blocks where they meet)."""
+        group = fan_out(self.inputs.make_sequence(prompt, sampling_params, prefix_len,
+                                                  request_id, cache_salt))
+        for seq in group.seqs:
+            self.structured.prepare(seq)
+        return group
+
+    def add_sequence(self, seq: Sequence) -> int:
+        """Routes a validated sequence to a replica and queues it there; returns the
+        replica. ValueError if its request id is in flight already."""
+        with self._lock:
+            replica = self.router.route(seq.request_id, seq.all_token_ids,
+                                        self._shareable_blocks(seq), seq.cache_salt,
+                                        self._loads())
+        self.replicas[replica].add_sequence(seq)
+        return replica
+
+    def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
+                    prefix_len: int | None = None, cache_salt: str | None = None) -> str:
+        seq = self.make_sequence(prompt, sampling_params, prefix_len, request_id, cache_salt)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica an unfinished request runs on (None: unknown or finished)."""
+        with self._lock:
+            return self.router.replica_of(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """Aborts a request on its replica at that replica's next step."""
+        replica = self.replica_of(request_id)
+        if replica is not None:
+            self.replicas[replica].abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica that has work; the requests they finished."""
+        outputs = []
+        for replica in self.replicas:
+            if not replica.has_unfinished_requests():
+                continue
+            done = replica.step()
+            if done:
+                with self._lock:
+                    for out in done:
+                        self.router.finish(out.request_id)
+                outputs += done
+        return outputs
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' token, request and latency counters together (/metrics)."""
+        return EngineStats.merged([r.stats for r in self.replicas])
+
+    def counters(self) -> dict[str, Any]:
+        """`summarize_stats` of the replicas: each replica's engine counters, its devices
+        and the router's (requests routed, of which by prefix affinity)."""
+        reps = [r.counters() for r in self.replicas]
+        with self._lock:
+            counters = [(c.requests, c.affinity) for c in self.router.counters]
+        for i, (s, (routed, affinity)) in enumerate(zip(reps, counters, strict=True)):
+            s.update(replica=i, devices=[str(d) for d in self.device_groups[i]],
+                     requests=routed, affinity_requests=affinity)
+        return summarize_stats(reps, data_parallel_size=len(self.replicas),
+                               routing_policy=self.args.routing_policy)
+
+    def _shareable_blocks(self, seq: Sequence) -> int:
+        """The leading blocks the replica's scheduler will match and cache for seq."""
+        if not self.args.enable_prefix_caching:
+            return 0
+        n = seq.num_tokens if seq.prefix_len is None else seq.prefix_len
+        return n // self.args.block_size
+
+    def _loads(self) -> list[int]:
+        """Per replica: the prompt tokens of its unfinished requests plus the output
+        tokens of its running ones (`LLMEngine.stats`' queued_tokens, kept incrementally
+        for the prompts)."""
+        return [c.prompt_tokens + sum(s.num_output_tokens
+                                      for s in list(r.scheduler.running.values()))
+                for c, r in zip(self.router.counters, self.replicas, strict=True)]
