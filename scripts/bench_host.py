@@ -34,7 +34,7 @@ class PackingStub:
         self.last_timing, self.shapes_seen = (0.0, 0.0), set()
         self.packer = StepPacker(block_size, self.buckets)
 
-    def dispatch(self, scheduled, plan=None) -> StepHandle:
+    def dispatch(self, scheduled, plan=None, token_masks=None) -> StepHandle:
         packed = self.packer.pack(scheduled, plan)
         return StepHandle(None, len(packed.rows), packed.order)
 
