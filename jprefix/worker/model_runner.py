@@ -21,7 +21,13 @@ from jprefix.core.cascade import CascadePlan
 from jprefix.worker import xla_flags
 from jprefix.worker.input_batch import StepPacker
 from jprefix.worker.pack import BucketConfig, bucket
-from jprefix.worker.parallel import REPLICATED, kv_sharding, shard_params
+from jprefix.worker.parallel import (
+    REPLICATED,
+    kv_sharding,
+    replicate_kv_heads,
+    shard_params,
+    tp_config,
+)
 from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
 from jprefix.worker.structured import place_bitmask
 from models.config import ModelConfig
@@ -89,19 +95,24 @@ def auto_num_blocks(
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
                    unroll_layers: bool | None = None, donate: bool = False) -> Any:
     """The weights in the layout the step runs (the one place that decides it): sharded
-    over `mesh`; on GPU (or with `unroll_layers`) split into per-layer buffers (no
-    per-layer weight copy in the step), with Q/K/V and gate/up fused into one matmul each
-    on a single device (layout "fused"). Idempotent. `donate`: the caller hands the
-    weights over, so the input buffers the result does not reuse are freed at once
-    (one copy of the weights on the device, not two, before the KV cache is sized)."""
+    over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
+    the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
+    buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
+    matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
+    `donate`: the caller hands the weights over, so the input buffers the result does
+    not reuse are freed at once (one copy of the weights on the device, not two, before
+    the KV cache is sized)."""
     if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
         unroll_layers = jax.default_backend() == "gpu"
     given = params
     if mesh is not None and params.layout == "stacked":  # (per-layer ones are sharded)
-        params = shard_params(params, cfg, mesh)
+        params = replicate_kv_heads(shard_params(params, cfg, mesh), cfg, mesh)
+    elif mesh is not None and tp_config(cfg, mesh.size) is not cfg:
+        raise ValueError(f"replicating {cfg.num_kv_heads} kv heads over {mesh.size} shards "
+                         f"needs layout 'stacked' params, got {params.layout!r}")
     if unroll_layers:
         if params.layout == "stacked":
-            params = unstack_layers(params, fuse=mesh is None)
+            params = unstack_layers(params, fuse=True, shards=1 if mesh is None else mesh.size)
         elif mesh is None:
             params = fuse_projections(params)
     if donate and params is not given:
@@ -141,6 +152,7 @@ class ModelRunner:
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
         self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params)
+        cfg = cfg if mesh is None else tp_config(cfg, mesh.size)  # the step's kv heads
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
