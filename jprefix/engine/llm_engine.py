@@ -27,7 +27,7 @@ from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.stats import EngineStats
 from jprefix.engine.structured_output import StructuredOutputManager
-from jprefix.worker import xla_flags
+from jprefix.worker import multihost, xla_flags
 from jprefix.worker.model_runner import ModelRunner, StepHandle
 from jprefix.worker.pack import BucketConfig
 from jprefix.worker.parallel import make_mesh
@@ -46,11 +46,20 @@ def build_runner(model: LoadedModel | str, args: EngineArgs) -> tuple[LoadedMode
     """The model (loaded here when given by name) and its runner: the one place the mesh
     is made. A model loaded here is handed to the runner, which replaces its weights by
     the step's layout (one copy on the device); a LoadedModel passed in is left as is and
-    the runner keeps the step's layout beside it (unless it is in that layout already)."""
+    the runner keeps the step's layout beside it (unless it is in that layout already).
+
+    A multi-process run (`args.coordinator_address` / `num_processes` / `process_id`, or
+    JAX's environment: `jprefix.worker.multihost`) joins the processes first; on a
+    process other than 0 this serves process 0's steps until it stops, then exits the
+    process (SystemExit(0)): the same program runs on every host."""
     xla_flags.apply()
+    multi = multihost.initialize(args.coordinator_address, args.num_processes,
+                                 args.process_id, args.distributed_timeout_s)
     owned = not isinstance(model, LoadedModel)
     cfg = model_config(model, args.load_format) if owned else model.config
     mesh = make_mesh(cfg, args.tensor_parallel_size)
+    if multi:
+        multihost.check_mesh(mesh)
     if owned:
         model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
     runner = ModelRunner(
@@ -58,8 +67,10 @@ def build_runner(model: LoadedModel | str, args: EngineArgs) -> tuple[LoadedMode
         backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),
         unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
-        fixed_inputs=args.fixed_inputs, donate_params=owned,
+        fixed_inputs=args.fixed_inputs, donate_params=owned, multi_process=multi,
     )
+    if multi:  # processes other than 0 follow process 0's steps here, then exit
+        multihost.start(runner)
     if owned:
         model = dataclasses.replace(model, params=runner.params)
     return model, runner

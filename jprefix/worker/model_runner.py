@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jprefix.core.cascade import CascadePlan
-from jprefix.worker import xla_flags
+from jprefix.worker import multihost, xla_flags
 from jprefix.worker.input_batch import StepPacker
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import (
@@ -142,12 +142,16 @@ class ModelRunner:
         max_num_seqs: int = 256,
         fixed_inputs: bool | None = None,
         donate_params: bool = False,
+        multi_process: bool = False,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
         cache for tensor parallelism; `donate_params`: see `prepare_params`. `fixed_inputs`
         passes each step's packed buffers in device buffers refilled in place
-        (`FixedInputs`); None: where XLA records command buffers."""
+        (`FixedInputs`); None: where XLA records command buffers. `multi_process` (a run over
+        several processes, `worker.multihost`; `mesh` spans all their devices): process
+        0 broadcasts each step's inputs to the others before running it (`channel`);
+        the others run `multihost.follow(runner)`."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -175,7 +179,10 @@ class ModelRunner:
         self.last_timing = (0.0, 0.0)
         # every step returns max_rows token ids: the next step may read its pending ones
         self.max_rows = bucket(max_num_seqs, self.buckets.min_seqs)
-        self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        self._last_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else  # all
+                             jax.jit(lambda: jnp.zeros(self.max_rows, jnp.int32),  # devices
+                                     out_shardings=NamedSharding(mesh, REPLICATED))())
+        self.channel = multihost.StepChannel(mesh) if multi_process else None
         if fixed_inputs is None:
             fixed_inputs = jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
         self.fixed_inputs = (FixedInputs(None if mesh is None else NamedSharding(mesh, REPLICATED))
@@ -213,24 +220,51 @@ class ModelRunner:
                                    "pending tokens are lost: create a new engine"
                                    ) from self._failed
             try:
-                flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
-                tokens, self._kv_cache = step(
-                    self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
-                    layout=layout, cfg=self.cfg, backend=self.backend, decode=kind.decode,
-                    greedy=greedy, cascade=kind.cascade, mesh=self.mesh)
+                step_args = (flat, layout, bitmask, kind.decode, greedy, kind.cascade)
+                if self.channel is not None:
+                    self.channel.send(*step_args)
+                tokens = self.run_step(*step_args)
                 # Queue the copy to the host now, so the tokens may be on the host already
                 # when the engine asks (async scheduling fetches a step's tokens after
                 # dispatching the next one) instead of the copy starting only then.
                 tokens.copy_to_host_async()
             except Exception as exc:
                 self._failed = exc
+                if self.channel is not None:  # the processes are out of step for good
+                    multihost.fatal(exc, "an engine step")
                 raise
-            self._last_tokens = tokens
             return tokens
 
         self._last_launch = self._launcher.submit(launch)
         self.last_timing = (time.perf_counter() - t0, 0.0)
         return StepHandle(self._last_launch, len(rows), order)
+
+    def run_step(self, flat: np.ndarray, layout: Any, bitmask: np.ndarray | None,
+                 decode: bool, greedy: bool, cascade: bool) -> jax.Array:
+        """Runs one packed step on the device (the launch thread's work; a follower
+        process's for each of the leader's steps): returns its tokens [max_rows]."""
+        if self.channel is not None:  # host arrays as global ones, the same on all
+            flat = self.channel.global_array(flat)
+            bitmask = None if bitmask is None else self.channel.global_array(bitmask)
+        flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
+        tokens, self._kv_cache = step(
+            self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
+            layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
+            greedy=greedy, cascade=cascade, mesh=self.mesh)
+        self._last_tokens = tokens
+        return tokens
+
+    def stop_followers(self) -> None:
+        """(Multi-process leader) after the last step: lets the other processes' `follow`
+        return (at exit; a no-op elsewhere or after a failed step)."""
+        if self.channel is None or self._failed is not None:
+            return
+        if self._last_launch is not None:
+            try:
+                self._last_launch.result()
+            except Exception:
+                return
+        self.channel.stop()
 
     def fetch(self, handle: StepHandle) -> np.ndarray:
         """Waits for a dispatched step; returns the sampled token of every scheduled

@@ -21,11 +21,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
-from jprefix.worker.parallel import per_shard, per_shard_qkv, shard_columns
+from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
 from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
@@ -189,4 +189,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
-    return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache
+    tokens = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+    if mesh is not None:  # whole on every device: any process reads them from its own
+        tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, REPLICATED))
+    return tokens, kv_cache
