@@ -121,3 +121,50 @@ def test_killed_process_makes_the_other_exit_with_a_clear_error(tmp_path, victim
     clear = (f"jprefix multi-host: process {survivor} of 2:" in err
              or "another task died" in err)
     assert clear, err[-4000:]
+
+
+def test_a_process_that_cannot_join_raises_naming_the_coordinator(tmp_path):
+    """Process 1 of 2 alone: no coordinator answers at the address, so it gives up after
+    the join timeout with a RuntimeError naming it; process 0 alone (its coordinator up,
+    nobody joining) is ended by JAX after the timeout, its log saying what it waited for.
+    Neither hangs."""
+    port = _free_port()
+    script = textwrap.dedent(f"""
+        from jprefix import LLM
+        try:
+            LLM("tiny-llama3", tensor_parallel_size=4, dtype="float32", load_format="dummy",
+                coordinator_address="127.0.0.1:{port}", num_processes=2, process_id=1,
+                distributed_timeout_s=3)
+        except RuntimeError as e:
+            print("REFUSED", e)
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert f"REFUSED process 1 of 2 could not join the run at coordinator 127.0.0.1:{port} " \
+           f"within 3 s" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    alone = subprocess.run([sys.executable, "-c", script.replace("process_id=1", "process_id=0")],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert alone.returncode != 0, alone.stdout[-2000:]
+    assert f"process 0 of 2 joining the run at coordinator 127.0.0.1:{port} (waiting up to 3 s" \
+        in alone.stderr, alone.stderr[-3000:]
+
+
+def test_multi_host_flags_reach_the_engine_args_and_bad_values_raise():
+    from jprefix.engine.args import EngineArgs
+    from jprefix.entrypoints import cli
+    from jprefix.entrypoints.cli_args import engine_kwargs
+
+    args = cli._build_parser().parse_args([
+        "serve", "--coordinator-address", "10.0.0.1:1234", "--num-processes", "2",
+        "--process-id", "1", "--distributed-timeout-s", "30", "--tensor-parallel-size", "16"])
+    kw = engine_kwargs(args)
+    assert (kw["coordinator_address"], kw["num_processes"], kw["process_id"],
+            kw["distributed_timeout_s"]) == ("10.0.0.1:1234", 2, 1, 30)
+    EngineArgs(**kw)
+    for bad, why in ((dict(num_processes=2, process_id=2), "process_id 2 is outside"),
+                     (dict(num_processes=0), "num_processes must be >= 1"),
+                     (dict(distributed_timeout_s=0), "distributed_timeout_s must be >= 1")):
+        with pytest.raises(ValueError, match=why):
+            EngineArgs(**bad)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
 import sys
+import time
 from typing import Any
 
 import jax
@@ -53,17 +55,42 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
         return jax.process_count() > 1
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    who = f"process {process_id} of {num_processes}"
+    if address and process_id:  # (JAX's client aborts the process where none answers)
+        _wait_for_coordinator(address, timeout_s, who)
+    # JAX ends the process itself (a fatal log) when the others do not all join in time:
+    # this line says what it was waiting for
+    print(f"jprefix multi-host: {who} joining the run at coordinator {address} (waiting "
+          f"up to {timeout_s} s for every process)", file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(
             coordinator_address, num_processes, process_id,
             initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s)
     except Exception as exc:  # (jax raises RuntimeError / XlaRuntimeError / ValueError)
         raise RuntimeError(
-            f"process {process_id} of {num_processes} could not join the run at coordinator "
-            f"{address} within {timeout_s} s (every process must start, with the same "
-            f"coordinator address and process count, before jax touches a device): {exc}"
+            f"{who} could not join the run at coordinator {address} within {timeout_s} s "
+            f"(every process must start, with the same coordinator address and process "
+            f"count, before jax touches a device): {exc}"
         ) from exc
     return jax.process_count() > 1
+
+
+def _wait_for_coordinator(address: str, timeout_s: int, who: str) -> None:
+    """Waits until process 0's coordinator accepts TCP connections at `address`
+    ("host:port"); RuntimeError after `timeout_s`."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{who} could not join the run at coordinator {address} within "
+                    f"{timeout_s} s: nothing accepts connections there ({exc}); start "
+                    f"process 0 with the same --coordinator-address") from exc
+            time.sleep(0.2)
 
 
 def check_mesh(mesh: Mesh | None) -> None:
