@@ -169,9 +169,17 @@ def _padded(n: int) -> int:
     return max(1024, 1 << (n - 1).bit_length())
 
 
+_started: list[Any] = []  # the run's one runner (a follower builds one and exits)
+
+
 def start(runner: Any) -> None:
     """After every process built its runner: on process 0, `runner.stop_followers` at
-    exit; elsewhere `follow` until process 0 stops, then SystemExit(0)."""
+    exit; elsewhere `follow` until process 0 stops, then SystemExit(0). One engine per
+    multi-process run (the others follow only the first): ValueError for a second."""
+    if _started:
+        raise ValueError("a multi-process run has one engine per process; this process "
+                         "built one already (the other processes follow only that one)")
+    _started.append(runner)
     if jax.process_index() == 0:
         atexit.register(runner.stop_followers)
         return
