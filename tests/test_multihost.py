@@ -45,6 +45,13 @@ SCRIPT = textwrap.dedent("""
     seen = llm.engine.runner.shapes_seen
     assert any(s[4] for s in seen) and any(s[5] for s in seen), seen  # cascade, mixed
     out.write_text(json.dumps(tokens))
+    if mode == "multi":  # process 1 follows this engine only: a second one is refused
+        try:
+            LLM("tiny-llama3", tensor_parallel_size=4, load_format="dummy", **multi)
+        except ValueError as e:
+            assert "one engine per process" in str(e), e
+        else:
+            raise AssertionError("a second engine in a multi-process run was accepted")
     while mode == "kill":  # keeps stepping until the other process is killed
         llm.generate(prompts, sp, use_tqdm=False)
 """)

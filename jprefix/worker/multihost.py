@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+_started: list[Any] = []  # the run's one runner (a follower builds one and exits)
 _HEADER = 8  # op, flat size, layout bytes, bitmask rows, bitmask words, decode, greedy, cascade
 _STOP, _STEP = 0, 1
 
@@ -51,6 +52,9 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     a process silent for `timeout_s` later stops the run."""
     if not requested(coordinator_address, num_processes, process_id):
         return False
+    if _started:
+        raise ValueError("a multi-process run has one engine per process; this process "
+                         "built one already (the other processes follow only that one)")
     if jax.distributed.is_initialized():
         return jax.process_count() > 1
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -169,16 +173,10 @@ def _padded(n: int) -> int:
     return max(1024, 1 << (n - 1).bit_length())
 
 
-_started: list[Any] = []  # the run's one runner (a follower builds one and exits)
-
-
 def start(runner: Any) -> None:
     """After every process built its runner: on process 0, `runner.stop_followers` at
     exit; elsewhere `follow` until process 0 stops, then SystemExit(0). One engine per
-    multi-process run (the others follow only the first): ValueError for a second."""
-    if _started:
-        raise ValueError("a multi-process run has one engine per process; this process "
-                         "built one already (the other processes follow only that one)")
+    multi-process run (the others follow only the first: `initialize` refuses a second)."""
     _started.append(runner)
     if jax.process_index() == 0:
         atexit.register(runner.stop_followers)
