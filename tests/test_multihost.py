@@ -31,11 +31,15 @@ SCRIPT = textwrap.dedent("""
     multi = {} if mode == "single" else dict(
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
         distributed_timeout_s=int(sys.argv[5]))
+    # a cache sized per process (here: the CPU fallback, 64 or 80 blocks) is one global
+    # cache of the smallest size
+    blocks = dict(num_kv_blocks=64) if mode == "single" else dict(cpu_num_kv_blocks=64 + 16 * pid)
     llm = LLM("tiny-llama3", tensor_parallel_size=1 if mode == "single" else 4,
-              dtype="float32", load_format="dummy", block_size=8, num_kv_blocks=64,
+              dtype="float32", load_format="dummy", block_size=8, max_model_len=256, **blocks,
               attention_backend="xla", unroll_layers=True, cascade_min_group=2,
               cascade_min_blocks=1, max_num_batched_tokens=24, **multi)
     assert pid == 0, "only process 0 returns from LLM(...)"
+    assert llm.engine.runner.num_blocks == 64, llm.engine.runner.num_blocks
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 200, 24).tolist()
     prompts = [shared + rng.integers(3, 200, n).tolist() for n in (3, 9, 17)]

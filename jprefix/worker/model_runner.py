@@ -84,7 +84,7 @@ def auto_num_blocks(
     """KV blocks that fit in `memory_fraction` of the device memory free now (`cpu_blocks`
     where device memory cannot be measured); each of `num_shards` devices holds 1/num_shards
     of every block."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         return cpu_blocks
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -163,6 +163,8 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
                                          cpu_num_blocks, 1 if mesh is None else mesh.size)
+            if multi_process:  # one global cache: the size every process has room for
+                num_blocks = multihost.smallest(num_blocks)
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
@@ -184,7 +186,11 @@ class ModelRunner:
                                      out_shardings=NamedSharding(mesh, REPLICATED))())
         self.channel = multihost.StepChannel(mesh) if multi_process else None
         if fixed_inputs is None:
-            fixed_inputs = jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
+            fixed_inputs = (jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
+                            and not multi_process)
+        if fixed_inputs and multi_process:
+            raise ValueError("fixed_inputs=True: a multi-process run passes each step's "
+                             "inputs as fresh global arrays (fixed_inputs None or False)")
         self.fixed_inputs = (FixedInputs(None if mesh is None else NamedSharding(mesh, REPLICATED))
                              if fixed_inputs else None)
 

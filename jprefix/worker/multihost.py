@@ -108,6 +108,11 @@ def check_mesh(mesh: Mesh | None) -> None:
                          f"(tensor_parallel_size {n})")
 
 
+def smallest(n: int) -> int:
+    """The smallest of every process's `n` (each process calls it at the same point)."""
+    return int(np.min(multihost_utils.process_allgather(np.array([n], np.int64))))
+
+
 def fatal(exc: BaseException, what: str) -> None:
     """Ends this process at once after a failed multi-process collective (the others'
     state can no longer match), saying why on stderr."""
