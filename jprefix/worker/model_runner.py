@@ -276,7 +276,12 @@ class ModelRunner:
         """Waits for a dispatched step; returns the sampled token of every scheduled
         sequence, in `scheduled` order (also when a cascade plan regrouped them)."""
         t0 = time.perf_counter()
-        host_tokens = np.asarray(handle.tokens.result())[: handle.num_rows]
+        try:
+            host_tokens = np.asarray(handle.tokens.result())[: handle.num_rows]
+        except Exception as exc:
+            if self.channel is not None:  # (a step's failure may surface only here)
+                multihost.fatal(exc, "an engine step")
+            raise
         self.last_timing = (self.last_timing[0], time.perf_counter() - t0)
         if handle.order is None:
             return host_tokens
