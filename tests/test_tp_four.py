@@ -97,3 +97,25 @@ def test_four_device_tp_1_2_4_with_replicated_kv_heads_match_dense(backend):
     run = subprocess.run([sys.executable, "-c", SCRIPT, backend], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=800)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_one_device_step_traces_no_tensor_parallel_machinery(unroll):
+    """TP 1 keeps its own program: no shard_map and no per-shard layout in the step."""
+    from jprefix import LLM
+    from jprefix.worker import step as step_mod
+    from scripts.memcheck import synthetic_rows
+
+    llm = LLM("tiny-llama3", dtype="float32", load_format="dummy", block_size=8,
+              num_kv_blocks=32, attention_backend="pallas-interpret", unroll_layers=unroll)
+    runner = llm.engine.runner
+    assert runner.params.shards == 1 and runner.mesh is None
+    rows = synthetic_rows([list(range(3, 15))] * 2, [[1, 2], [3, 4]], [6, 1])
+    _, (flat, layout, _), _, kind = runner.packer.pack(rows, None)
+    traced = step_mod.step.trace(
+        runner.params, runner.kv_cache, flat, runner._last_tokens, layout=layout,
+        cfg=runner.cfg, backend=runner.backend, decode=kind.decode, greedy=True,
+        cascade=kind.cascade)
+    text = str(traced.jaxpr)
+    assert "rope_write_kv" in text or not unroll  # (the fast path is there)
+    assert "shard_map" not in text and "sharding_constraint" not in text
