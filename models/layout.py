@@ -4,8 +4,9 @@ Loaders produce "stacked" params (every layer field stacked on a leading L axis)
 `unstack_layers` turns them into "per_layer" (a tuple of LayerParams) or, with `fuse`,
 straight into "fused"; `fuse_projections` turns "per_layer" into "fused". Each transform
 sets `Params.layout`, which `models.llama.forward` reads. Tensor parallelism places
-stacked params with `param_partition_specs` / `param_shardings`; fusing is single-device
-only, since splitting a concatenation [wq | wk | wv] by columns would mix heads.
+stacked params with `param_partition_specs` / `param_shardings`; fusing
+concatenates per shard under tensor parallelism (`Params.shards`), since splitting a plain
+concatenation [wq | wk | wv] by columns would mix heads.
 """
 
 from __future__ import annotations
@@ -24,31 +25,39 @@ from models.llama import LayerParams, Params, check_layout
 _FUSED = {"wq": ("wq", "wk", "wv"), "bq": ("bq", "bk", "bv"), "w_gate": ("w_gate", "w_up")}
 
 
-def param_partition_specs(cfg: ModelConfig, axis: str = "tp") -> Params:
+def param_partition_specs(cfg: ModelConfig, axis: str = "tp", kv_split: bool = True) -> Params:
     """PartitionSpecs of stacked params for tensor parallelism over mesh axis `axis`
     (Megatron-style).
 
     Q/K/V and gate/up are split by output (heads / F), wo and w_down by input; norms are
-    replicated; embed and lm_head are split on the hidden / vocab axis.
+    replicated; embed and lm_head are split on the hidden / vocab axis. `kv_split` False
+    (fewer kv heads than shards) replicates K/V's weights whole on every device, for
+    `jprefix.worker.parallel.replicate_kv_heads` to expand.
     """
     col, row, rep = P(None, None, axis), P(None, axis, None), P()
     bias = P(None, axis) if cfg.attention_bias else None
+    kv, kv_bias = (col, bias) if kv_split else (rep, None if bias is None else rep)
     layers = LayerParams(
-        attn_norm=rep, wq=col, wk=col, wv=col, bq=bias, bk=bias, bv=bias, wo=row,
+        attn_norm=rep, wq=col, wk=kv, wv=kv, bq=bias, bk=kv_bias, bv=kv_bias, wo=row,
         mlp_norm=rep, w_gate=col, w_up=col, w_down=row)
     lm_head = None if cfg.tie_word_embeddings else P(None, axis)
     return Params(embed=P(None, axis), layers=layers, final_norm=rep, lm_head=lm_head)
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, axis: str = "tp") -> Params:
-    """`param_partition_specs` as NamedShardings on `mesh` (for device_put or out_shardings)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_partition_specs(cfg, axis),
+    """`param_partition_specs` as NamedShardings on `mesh` (for device_put or out_shardings);
+    K/V weights whole on each device where the mesh has more shards than kv heads."""
+    specs = param_partition_specs(cfg, axis, cfg.num_kv_heads % mesh.shape[axis] == 0)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def unstack_layers(params: Params, fuse: bool = False) -> Params:
+def unstack_layers(params: Params, fuse: bool = False, shards: int = 1) -> Params:
     """Stacked params -> layout "per_layer" (a tuple of LayerParams), or "fused" with `fuse`
-    (see LayerParams; single device only). ValueError on any other input layout.
+    (see LayerParams). ValueError on any other input layout. `shards` (tensor parallelism
+    over that many devices, with `fuse`): the fused columns are laid out per shard
+    (`Params.shards`: block s = [wq_s | wk_s | wv_s], [w_gate_s | w_up_s]), so splitting
+    them over the devices gives each its own heads' fusion.
 
     The split copies the layer weights once, field by field (fused fields straight from
     the stacks, so the weights never exist three times); a field sharded over a mesh
@@ -69,12 +78,14 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
         if value is None or f.name in fused_away:
             fields[f.name] = [None] * num_layers
         elif f.name in groups:
-            fields[f.name] = _split_concat([getattr(stacked, n) for n in groups[f.name]])
+            fields[f.name] = _split_concat([getattr(stacked, n) for n in groups[f.name]],
+                                           shards)
         else:
             fields[f.name] = _split_layers(value)
     layers = tuple(LayerParams(**{k: v[i] for k, v in fields.items()})
                    for i in range(num_layers))
-    return dataclasses.replace(params, layers=layers, layout="fused" if fuse else "per_layer")
+    return dataclasses.replace(params, layers=layers, layout="fused" if fuse else "per_layer",
+                               shards=shards if fuse else 1)
 
 
 def fuse_projections(params: Params) -> Params:
@@ -98,20 +109,39 @@ def fuse_projections(params: Params) -> Params:
     return dataclasses.replace(params, layers=tuple(layers), layout="fused")
 
 
-def _split_concat(stacks: list[jax.Array]) -> list[jax.Array]:
-    """Per-layer concatenations of same-depth stacks along the output axis."""
-    split = jax.jit(lambda *xs: tuple(jnp.concatenate([x[i] for x in xs], axis=-1)
-                                      for i in range(xs[0].shape[0])))
+def _split_concat(stacks: list[jax.Array], shards: int = 1) -> list[jax.Array]:
+    """Per-layer concatenations of same-depth stacks along the output axis; with `shards`,
+    of each stack's s-th block of columns in turn (placed like the first stack, less its
+    L axis)."""
+    if shards == 1:
+        split = jax.jit(lambda *xs: tuple(jnp.concatenate([x[i] for x in xs], axis=-1)
+                                          for i in range(xs[0].shape[0])))
+        return list(split(*stacks))
+
+    def cat(xs, i):  # [.., N_j] each -> [.., shards, N_j / shards] joined -> [.., sum N_j]
+        blocks = [x[i].reshape(*x.shape[1:-1], shards, -1) for x in xs]
+        joined = jnp.concatenate(blocks, axis=-1)
+        return joined.reshape(*joined.shape[:-2], -1)
+
+    x0 = stacks[0]
+    out = _unstacked_sharding(x0)
+    split = jax.jit(lambda *xs: tuple(cat(xs, i) for i in range(xs[0].shape[0])),
+                    out_shardings=None if out is None else (out,) * x0.shape[0])
     return list(split(*stacks))
+
+
+def _unstacked_sharding(x: jax.Array) -> NamedSharding | None:
+    """x's NamedSharding less its leading (layer) axis; None if x has none."""
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, P(*spec[1:]))
 
 
 def _split_layers(x: jax.Array) -> list[jax.Array]:
     """The per-layer slices of a stack [L, ...], each keeping x's sharding minus the L axis."""
-    sharding = x.sharding
-    out = None
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-        out = NamedSharding(sharding.mesh, P(*spec[1:]))
+    out = _unstacked_sharding(x)
     split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])),
                     out_shardings=None if out is None else (out,) * x.shape[0])
     return list(split(x))

@@ -85,6 +85,9 @@ class Params:
       under lax.scan. What the loaders and init_params produce.
     - "per_layer": a tuple of L LayerParams, unrolled in the forward.
     - "fused": as "per_layer", with Q/K/V and gate/up fused (see LayerParams).
+
+    `shards` (static; "fused" only): the fused columns come in that many blocks, one per
+    tensor-parallel shard, block s holding shard s's [q | k | v] heads ([gate | up]).
     """
 
     embed: jax.Array  # [V, E]
@@ -92,10 +95,13 @@ class Params:
     final_norm: jax.Array  # [E]
     lm_head: jax.Array | None  # [E, V]; None when tied to embed
     layout: str = dataclasses.field(default="stacked", metadata={"static": True})
+    shards: int = dataclasses.field(default=1, metadata={"static": True})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown Params layout {self.layout!r}; expected one of {LAYOUTS}")
+        if self.shards != 1 and self.layout != "fused":
+            raise ValueError(f"Params shards={self.shards} with layout {self.layout!r}")
 
 
 LAYOUTS = ("stacked", "per_layer", "fused")
@@ -212,13 +218,15 @@ def _fused_qkv(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
     return qkv if lp.bq is None else qkv + lp.bq
 
 
-def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fused: bool
-         ) -> tuple[jax.Array, ...]:
+def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fused: bool,
+         shards: int = 1) -> tuple[jax.Array, ...]:
     """(q [..., H, D], k [..., K, D], v [..., K, D]) before RoPE."""
     lead, d = h.shape[:-1], cfg.head_dim
-    if fused:  # [wq | wk | wv]
+    if fused:  # [wq | wk | wv], or per shard s [wq_s | wk_s | wv_s] (Params.shards)
         qkv = _fused_qkv(h, lp, linear)
-        hd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+        if shards > 1:
+            qkv = qkv.reshape(*lead, shards, -1)
+        hd, kd = cfg.num_heads * d // shards, cfg.num_kv_heads * d // shards
         q, k, v = qkv[..., :hd], qkv[..., hd : hd + kd], qkv[..., hd + kd :]
     else:
         q, k, v = linear(h, lp.wq), linear(h, lp.wk), linear(h, lp.wv)
@@ -228,17 +236,19 @@ def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fuse
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
-def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, fused: bool) -> jax.Array:
-    if fused:  # [w_gate | w_up]
-        act = linear(h, lp.w_gate, "silu_mul")
+def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, fused: bool
+         ) -> jax.Array:
+    if fused:  # [w_gate | w_up] (per shard: see Params.shards)
+        act = col_linear(h, lp.w_gate, "silu_mul")
     else:
-        act = jax.nn.silu(linear(h, lp.w_gate)) * linear(h, lp.w_up)
+        act = jax.nn.silu(col_linear(h, lp.w_gate)) * col_linear(h, lp.w_up)
     return linear(act, lp.w_down)
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             cache: Any, attn_fn: AttnFn, linear: LinearFn = dense_linear,
-            qkv_attn_fn: QKVAttnFn | None = None) -> tuple[jax.Array, Any]:
+            qkv_attn_fn: QKVAttnFn | None = None, col_linear: LinearFn | None = None
+            ) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
     `params.layout` (checked by `check_layout`, at trace time) decides how the layers run:
@@ -250,6 +260,11 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     to `qkv_attn_fn` instead: it takes the projection before RoPE and rotates Q and K
     itself (one kernel for the rotation and the KV write).
 
+    `col_linear` (default `linear`) runs the column-parallel matmuls, Q/K/V and gate/up,
+    `linear` the others (wo, w_down). Params fused over shards (`Params.shards` > 1) need
+    a `col_linear` that applies "silu_mul" within each shard's block (a per-shard
+    function, e.g. under shard_map): ValueError without one.
+
     An ALiBi model (`cfg.alibi`) rotates nothing: its attention adds the bias, with the
     slopes of `models.alibi.model_slopes(cfg)`, which `attn_fn` must apply (the engine's
     step and models.reference's attention do). `qkv_attn_fn` (RoPE fused into the KV
@@ -258,10 +273,13 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     check_layout(params)
     if cfg.alibi and qkv_attn_fn is not None:
         raise ValueError("qkv_attn_fn applies RoPE; an ALiBi model takes attn_fn only")
+    if params.shards > 1 and col_linear is None:
+        raise ValueError(f"params fused over {params.shards} shards need a col_linear")
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
                              attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
-                             fused=params.layout == "fused")
+                             fused=params.layout == "fused", shards=params.shards,
+                             col_linear=col_linear or linear)
     if params.layout == "stacked":
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
@@ -273,21 +291,21 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
 
 def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
            positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn,
-           qkv_attn_fn: QKVAttnFn | None, fused: bool):
+           qkv_attn_fn: QKVAttnFn | None, fused: bool, shards: int, col_linear: LinearFn):
     x, cache = carry
     lp, layer = xs
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if fused and qkv_attn_fn is not None:
-        qkv = _fused_qkv(h, lp, linear)
+        qkv = _fused_qkv(h, lp, col_linear)
         out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
                                  inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
-        q, k, v = _qkv(h, lp, cfg, linear, fused)
+        q, k, v = _qkv(h, lp, cfg, col_linear, fused, shards)
         if not cfg.alibi:
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
     x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
-    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, fused)
+    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused)
     return (x, cache), None
 
 

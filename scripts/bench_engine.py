@@ -22,6 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from models.loader import model_config  # noqa: E402
 
 
 def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> list[list[int]]:
@@ -162,13 +163,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="engine replicas, one device each (requests routed by prefix)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="devices the model is split over (> 1: loaded sharded by the engine)")
+    ap.add_argument("--coordinator-address", default=None,
+                    help="multi-host (with --num-processes, --process-id): process 0's "
+                         "host:port; one engine only (--skip-off, no --compare-cascade)")
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
     args = ap.parse_args(argv)
     if args.ttft_only and args.ttft_reps < 1:
         ap.error("--ttft-only measures nothing with --ttft-reps < 1")
 
-    model = load(args.model, dtype=args.dtype, load_format=args.load_format)
-    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
-                           model.config.vocab_size, 0)
+    multi = dict(coordinator_address=args.coordinator_address,
+                 num_processes=args.num_processes, process_id=args.process_id)
+    sharded = args.tensor_parallel_size > 1 or any(v is not None for v in multi.values())
+    if sharded:  # each engine loads the model by name, sharded over its mesh
+        model = args.model
+        vocab_size = model_config(args.model, args.load_format).vocab_size
+        engine_kw = dict(dtype=args.dtype, load_format=args.load_format,
+                         tensor_parallel_size=args.tensor_parallel_size, **multi)
+    else:
+        model = load(args.model, dtype=args.dtype, load_format=args.load_format)
+        vocab_size, engine_kw = model.config.vocab_size, {}
+    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len, vocab_size, 0)
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
                      "prefix_len": args.prefix_len, "unique_len": args.unique_len,
                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -186,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
                   enable_cascade=cascade, fixed_inputs=fixed,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
-                  data_parallel_size=args.data_parallel_size)
+                  data_parallel_size=args.data_parallel_size, **engine_kw)
         first = replicas(llm)[0]
         results[f"fixed_inputs_{tag}"] = first.runner.fixed_inputs is not None
         num_blocks = first.scheduler.block_manager.num_blocks

@@ -246,7 +246,7 @@ def test_async_and_sync_scheduling_give_identical_outputs(tiny):
 
 def test_max_model_len_must_fit_the_kv_cache(tiny):
     from jprefix.engine.args import EngineArgs
-    from jprefix.engine.llm_engine import fit_max_model_len
+    from jprefix.engine.runner_setup import fit_max_model_len
 
     with pytest.raises(ValueError, match="max_model_len 600 is outside"):
         LLM(tiny, block_size=8, num_kv_blocks=64, max_model_len=600)  # the model's is 512

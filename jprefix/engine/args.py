@@ -83,6 +83,12 @@ class EngineArgs:
     # step inputs in device buffers refilled in place (model_runner.FixedInputs); None:
     # where XLA records command buffers (jprefix.worker.xla_flags)
     fixed_inputs: bool | None = None
+    # Multi-host (jprefix.worker.multihost, through jax.distributed): None leaves a value
+    # to JAX (JAX_COORDINATOR_ADDRESS, or a cluster it detects); one process without them.
+    coordinator_address: str | None = None  # host:port of process 0's coordinator
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed_timeout_s: int = 60  # for every process to join; for a silent process
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -92,6 +98,15 @@ class EngineArgs:
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise ValueError(f"data_parallel_size {dp!r} must be a positive int")
         parse_routing_policy(self.routing_policy)  # ValueError naming a bad spec
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and not (
+                0 <= self.process_id < (self.num_processes or self.process_id + 1)):
+            raise ValueError(f"process_id {self.process_id} is outside [0, num_processes="
+                             f"{self.num_processes})")
+        if self.distributed_timeout_s < 1:
+            raise ValueError(f"distributed_timeout_s must be >= 1, got "
+                             f"{self.distributed_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"

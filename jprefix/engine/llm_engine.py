@@ -22,18 +22,16 @@ from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
-from jprefix.engine.args import EngineArgs, resolve_dtype
+from jprefix.engine.args import EngineArgs
 from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.logprobs import attach_logprobs
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.parallel_sampling import SampleGroup, fan_out
+from jprefix.engine.runner_setup import build_runner, fit_max_model_len
 from jprefix.engine.stats import EngineStats
 from jprefix.engine.structured_output import StructuredOutputManager
-from jprefix.worker import xla_flags
-from jprefix.worker.model_runner import ModelRunner, StepHandle
-from jprefix.worker.pack import BucketConfig
-from jprefix.worker.parallel import make_mesh, placed_on
-from models.loader import LoadedModel, load, model_config
+from jprefix.worker.model_runner import StepHandle
+from models.loader import LoadedModel
 
 
 @dataclasses.dataclass
@@ -42,64 +40,6 @@ class _InFlight:
     handle: StepHandle
     t_start: float
     t_dispatched: float
-
-
-def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] | None = None
-                 ) -> tuple[LoadedModel, ModelRunner]:
-    """The model (loaded here when given by name) and its runner: the one place the mesh
-    is made. A model loaded here is handed to the runner, which replaces its weights by
-    the step's layout (one copy on the device); a LoadedModel passed in is left as is and
-    the runner keeps the step's layout beside it (unless it is in that layout already).
-    `devices`: the device group of a data-parallel replica (`tensor_parallel_size` of
-    them; its weights, cache and steps stay on them); None: the first devices, placed as
-    jax places by default."""
-    xla_flags.apply()
-    owned = not isinstance(model, LoadedModel)
-    cfg = model_config(model, args.load_format) if owned else model.config
-    mesh = make_mesh(cfg, args.tensor_parallel_size, devices)
-    device = devices[0] if devices is not None and mesh is None else None
-    if owned:
-        with placed_on(device):
-            model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
-    runner = ModelRunner(
-        model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
-        backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),
-        unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
-        cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
-        fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,
-    )
-    if owned:
-        model = dataclasses.replace(model, params=runner.params)
-    return model, runner
-
-
-def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
-    """The context length requests are validated against: one sequence of that many
-    tokens always fits in the KV cache alone (block 0 is the null block), so a request the
-    engine accepts can always finish, preempting others as needed.
-
-    An explicit `max_model_len` must fit the model and the cache (else ValueError). Without
-    one: the model's length, capped to the cache when the user sized the cache
-    (`num_kv_blocks`); a cache sized from memory that cannot hold the model's length is
-    refused, naming what to change."""
-    capacity = (num_blocks - 1) * args.block_size
-    cache = (f"the KV cache ({num_blocks - 1} blocks of {args.block_size} tokens = "
-             f"{capacity} tokens)")
-    if args.max_model_len is not None:
-        if not 1 <= args.max_model_len <= model_max:
-            raise ValueError(f"max_model_len {args.max_model_len} is outside [1, {model_max}], "
-                             "the model's context length")
-        if args.max_model_len > capacity:
-            raise ValueError(f"max_model_len {args.max_model_len} does not fit in {cache}: "
-                             "lower max_model_len or raise num_kv_blocks / gpu_memory_utilization")
-        return args.max_model_len
-    if capacity >= model_max:
-        return model_max
-    if args.num_kv_blocks is not None:
-        return capacity
-    raise ValueError(f"the model's context of {model_max} tokens does not fit in {cache}: set "
-                     f"max_model_len <= {capacity}, or raise gpu_memory_utilization "
-                     "(or num_kv_blocks)")
 
 
 class LLMEngine:

@@ -34,6 +34,12 @@ HELP = {
     "cpu_num_kv_blocks": "KV-cache blocks where device memory cannot be measured (CPU)",
     "fixed_inputs": "step inputs in device buffers refilled in place (default: where XLA "
                     "records command buffers)",
+    "coordinator_address": "multi-host: host:port of process 0's jax.distributed coordinator "
+                           "(default: JAX_COORDINATOR_ADDRESS)",
+    "num_processes": "multi-host: processes in the run (one per host)",
+    "process_id": "multi-host: this process's index; 0 serves HTTP and schedules",
+    "distributed_timeout_s": "multi-host: seconds for every process to join, and before a "
+                             "silent process stops the run",
 }
 _TYPES: dict[str, Any] = {"int": int, "int | None": int, "float": float, "float | None": float,
                           "str": str, "str | None": str}

@@ -6,7 +6,6 @@ paged KV cache, and the dispatch of packed steps (`input_batch.StepPacker`) to t
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import time
 import weakref
 from collections.abc import Sequence as Seq
@@ -18,10 +17,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jprefix.core.cascade import CascadePlan
-from jprefix.worker import xla_flags
+from jprefix.worker import multihost, xla_flags
+from jprefix.worker.fixed_inputs import FixedInputs
 from jprefix.worker.input_batch import StepPacker
 from jprefix.worker.pack import BucketConfig, bucket
-from jprefix.worker.parallel import REPLICATED, kv_sharding, shard_params
+from jprefix.worker.parallel import (
+    REPLICATED,
+    kv_sharding,
+    replicate_kv_heads,
+    shard_params,
+    tp_config,
+)
 from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
 from jprefix.worker.structured import place_bitmask
 from models.config import ModelConfig
@@ -40,34 +46,6 @@ class StepHandle(NamedTuple):
     prompt_positions: list[tuple[Any, int]] | None = None
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _refill(buffer: jax.Array, values: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_slice(buffer, values, (0,) * buffer.ndim)
-
-
-class FixedInputs:
-    """Device buffers that keep their address from step to step: one per shape and dtype,
-    refilled in place (donated) with each step's host values.
-
-    XLA records a step into command buffers once and afterwards updates only the
-    commands whose buffers moved. A step's inputs arriving in fresh buffers every time
-    would move every command that reads them; refilled buffers stay put, so a repeated
-    step replays its recording. Used where command buffers are on (`xla_flags`).
-    """
-
-    def __init__(self, sharding: Any = None):
-        self.sharding = sharding
-        self._buffers: dict[tuple, jax.Array] = {}
-
-    def __call__(self, values: np.ndarray) -> jax.Array:
-        key = (values.shape, values.dtype.str)
-        buffer = self._buffers.pop(key, None)
-        if buffer is None:
-            buffer = jax.device_put(np.zeros_like(values), self.sharding)
-        buffer = self._buffers[key] = _refill(buffer, values)
-        return buffer
-
-
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
     """Bytes of one physical block across all layers, K and V."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -79,9 +57,9 @@ def auto_num_blocks(
     num_shards: int = 1, device: Any = None,
 ) -> int:
     """KV blocks that fit in `memory_fraction` of the device memory free now on `device`
-    (default: the first; `cpu_blocks` where device memory cannot be measured); each of
-    `num_shards` devices holds 1/num_shards of every block."""
-    stats = (device or jax.devices()[0]).memory_stats() or {}
+    (default: this process's first; `cpu_blocks` where device memory cannot be measured);
+    each of `num_shards` devices holds 1/num_shards of every block."""
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         return cpu_blocks
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -92,19 +70,24 @@ def auto_num_blocks(
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
                    unroll_layers: bool | None = None, donate: bool = False) -> Any:
     """The weights in the layout the step runs (the one place that decides it): sharded
-    over `mesh`; on GPU (or with `unroll_layers`) split into per-layer buffers (no
-    per-layer weight copy in the step), with Q/K/V and gate/up fused into one matmul each
-    on a single device (layout "fused"). Idempotent. `donate`: the caller hands the
-    weights over, so the input buffers the result does not reuse are freed at once
-    (one copy of the weights on the device, not two, before the KV cache is sized)."""
+    over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
+    the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
+    buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
+    matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
+    `donate`: the caller hands the weights over, so the input buffers the result does
+    not reuse are freed at once (one copy of the weights on the device, not two, before
+    the KV cache is sized)."""
     if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
         unroll_layers = jax.default_backend() == "gpu"
     given = params
     if mesh is not None and params.layout == "stacked":  # (per-layer ones are sharded)
-        params = shard_params(params, cfg, mesh)
+        params = replicate_kv_heads(shard_params(params, cfg, mesh), cfg, mesh)
+    elif mesh is not None and tp_config(cfg, mesh.size) is not cfg:
+        raise ValueError(f"replicating {cfg.num_kv_heads} kv heads over {mesh.size} shards "
+                         f"needs layout 'stacked' params, got {params.layout!r}")
     if unroll_layers:
         if params.layout == "stacked":
-            params = unstack_layers(params, fuse=mesh is None)
+            params = unstack_layers(params, fuse=True, shards=1 if mesh is None else mesh.size)
         elif mesh is None:
             params = fuse_projections(params)
     if donate and params is not given:
@@ -135,6 +118,7 @@ class ModelRunner:
         fixed_inputs: bool | None = None,
         donate_params: bool = False,
         device: Any = None,
+        multi_process: bool = False,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -142,7 +126,10 @@ class ModelRunner:
         passes each step's packed buffers in device buffers refilled in place
         (`FixedInputs`); None: where XLA records command buffers. `device` (no `mesh`):
         the one device weights, cache and steps live on (a data-parallel replica's;
-        None: the default device), the weights copied there if they are elsewhere."""
+        None: the default device), the weights copied there if they are elsewhere.
+        `multi_process` (a run over several processes, `worker.multihost`; `mesh` spans
+        all their devices): process 0 broadcasts each step's inputs to the others before
+        running it (`channel`); the others run `multihost.follow(runner)`."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -159,13 +146,17 @@ class ModelRunner:
                         x.delete()
             params = moved
         self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params)
+        cfg = cfg if mesh is None else tp_config(cfg, mesh.size)  # the step's kv heads
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
         if num_blocks is None:
             num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
                                          cpu_num_blocks, 1 if mesh is None else mesh.size,
-                                         device if mesh is None else mesh.devices.flat[0])
+                                         device if mesh is None else
+                                         mesh.devices.flat[0] if not multi_process else None)
+            if multi_process:  # one global cache: the size every process has room for
+                num_blocks = multihost.smallest(num_blocks)
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
@@ -182,11 +173,18 @@ class ModelRunner:
         self.last_timing = (0.0, 0.0)
         # every step returns max_rows token ids: the next step may read its pending ones
         self.max_rows = bucket(max_num_seqs, self.buckets.min_seqs)
-        self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        self._last_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else  # all
+                             jax.jit(lambda: jnp.zeros(self.max_rows, jnp.int32),  # devices
+                                     out_shardings=NamedSharding(mesh, REPLICATED))())
         if placed is not None:
             self._last_tokens = jax.device_put(self._last_tokens, placed)
+        self.channel = multihost.StepChannel(mesh) if multi_process else None
         if fixed_inputs is None:
-            fixed_inputs = jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
+            fixed_inputs = (jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
+                            and not multi_process)
+        if fixed_inputs and multi_process:
+            raise ValueError("fixed_inputs=True: a multi-process run passes each step's "
+                             "inputs as fresh global arrays (fixed_inputs None or False)")
         self.fixed_inputs = (FixedInputs(placed if mesh is None
                                          else NamedSharding(mesh, REPLICATED))
                              if fixed_inputs else None)
@@ -223,11 +221,11 @@ class ModelRunner:
                                    "pending tokens are lost: create a new engine"
                                    ) from self._failed
             try:
-                flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
-                tokens, self._kv_cache, *logprobs = step(
-                    self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
-                    layout=layout, cfg=self.cfg, backend=self.backend, decode=kind.decode,
-                    greedy=greedy, cascade=kind.cascade, mesh=self.mesh, extra=kind.extra)
+                step_args = (flat, layout, bitmask, kind.decode, greedy, kind.cascade,
+                             kind.extra)
+                if self.channel is not None:
+                    self.channel.send(*step_args)
+                tokens, logprobs = self.run_step(*step_args)
                 # Queue the copy to the host now, so the tokens may be on the host already
                 # when the engine asks (async scheduling fetches a step's tokens after
                 # dispatching the next one) instead of the copy starting only then.
@@ -235,20 +233,55 @@ class ModelRunner:
                     out.copy_to_host_async()
             except Exception as exc:
                 self._failed = exc
+                if self.channel is not None:  # the processes are out of step for good
+                    multihost.fatal(exc, "an engine step")
                 raise
-            self._last_tokens = tokens
-            return (tokens, logprobs[0]) if logprobs else tokens
+            return tokens if logprobs is None else (tokens, logprobs)
 
         self._last_launch = self._launcher.submit(launch)
         self.last_timing = (time.perf_counter() - t0, 0.0)
         return StepHandle(self._last_launch, len(rows), order,
                           positions if kind.extra else None)
 
+    def run_step(self, flat: np.ndarray, layout: Any, bitmask: np.ndarray | None,
+                 decode: bool, greedy: bool, cascade: bool, extra: bool
+                 ) -> tuple[jax.Array, Any]:
+        """Runs one packed step on the device (the launch thread's work; a follower
+        process's for each of the leader's steps): returns its tokens [max_rows] and, for
+        an `extra` step, its logprobs (`step`), else None."""
+        if self.channel is not None:  # host arrays as global ones, the same on all
+            flat = self.channel.global_array(flat)
+            bitmask = None if bitmask is None else self.channel.global_array(bitmask)
+        flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
+        tokens, self._kv_cache, *logprobs = step(
+            self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
+            layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
+            greedy=greedy, cascade=cascade, mesh=self.mesh, extra=extra)
+        self._last_tokens = tokens
+        return tokens, (logprobs[0] if logprobs else None)
+
+    def stop_followers(self) -> None:
+        """(Multi-process leader) after the last step: lets the other processes' `follow`
+        return (at exit; a no-op elsewhere or after a failed step)."""
+        if self.channel is None or self._failed is not None:
+            return
+        if self._last_launch is not None:
+            try:
+                self._last_launch.result()
+            except Exception:
+                return
+        self.channel.stop()
+
     def fetch(self, handle: StepHandle) -> np.ndarray:
         """Waits for a dispatched step; returns the sampled token of every scheduled
         sequence, in `scheduled` order (also when a cascade plan regrouped them)."""
         t0 = time.perf_counter()
-        result = handle.tokens.result()
+        try:
+            result = handle.tokens.result()
+        except Exception as exc:
+            if self.channel is not None:  # (a step's failure may surface only here)
+                multihost.fatal(exc, "an engine step")
+            raise
         host_tokens = np.asarray(result[0] if isinstance(result, tuple) else result
                                  )[: handle.num_rows]
         self.last_timing = (self.last_timing[0], time.perf_counter() - t0)

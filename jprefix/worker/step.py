@@ -5,10 +5,13 @@ tokens: per layer it writes the new K/V into the paged cache at `slot_mapping`, 
 paged attention for every sequence (write-then-attend, so blocks written this step by one
 sequence can be read by another in the same step). The cache is donated and updated in
 place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`).
-With the Pallas backends on one device, one `rope_write_kv` kernel per layer rotates Q
-and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take `write_kv`
-and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant of the
-static config (sharded by query heads under tensor parallelism).
+With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
+rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
+`write_kv` and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant
+of the static config (sharded by query heads under tensor parallelism). Under tensor
+parallelism these kernels, attention and the column-parallel matmuls run per device
+under shard_map (`jprefix.worker.parallel`); the row-parallel matmuls and their
+all-reduces stay XLA's.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jprefix.core.sampling_params import MAX_LOGPROBS
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.logits_processing import process_logits, token_logprobs
-from jprefix.worker.parallel import per_shard
+from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
 from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
@@ -75,17 +78,12 @@ def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, l
                            max_q_len=1 if decode else None, alibi_slopes=alibi_slopes)
 
 
-def _one_device_pallas(backend: str, mesh: Mesh | None) -> bool:
-    """Where the layers' own Pallas kernels run (`_linear`, `_qkv_attention`): a Pallas
-    backend on one device (a tensor-parallel step's projections are not fused)."""
-    return backend != "xla" and mesh is None
-
-
 def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
-    columns; one device), XLA's elsewhere. Interpret mode takes the kernel for any number
-    of output columns (the rows' limit stays), so that the CPU tests' small models run it."""
-    if not _one_device_pallas(backend, mesh):
+    columns; one device), XLA's elsewhere (and for a mesh's row-parallel matmuls, whose
+    all-reduce XLA inserts). Interpret mode takes the kernel for any number of output
+    columns (the rows' limit stays), so that the CPU tests' small models run it."""
+    if backend == "xla" or mesh is not None:
         return dense_linear
     interpret = backend == "pallas-interpret"
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
@@ -102,22 +100,36 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     return linear
 
 
+def _col_linear(backend: str, mesh: Mesh | None) -> LinearFn | None:
+    """The column-parallel matmuls (Q/K/V, gate/up) under a mesh: `_linear`'s one-device
+    choice per device on its columns (`parallel.shard_columns`); None (= `_linear`)
+    without one."""
+    return None if mesh is None else shard_columns(_linear(backend, None), mesh)
+
+
 def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
                    cfg: ModelConfig, batch: dict[str, jax.Array], scale: float
                    ) -> QKVAttnFn | None:
-    """Attention from the fused Q/K/V projection: one `rope_write_kv` kernel rotates Q and
-    K and writes the new K/V, where XLA runs three fusions per layer (`_one_device_pallas`).
-    None elsewhere, and for ALiBi models (nothing to rotate): the model's RoPE (if any),
-    then `write_kv` and attention."""
-    if not _one_device_pallas(backend, mesh) or cfg.alibi:
+    """Attention from the fused Q/K/V projection with a Pallas backend: one `rope_write_kv`
+    kernel rotates Q and K and writes the new K/V, where XLA runs three fusions per layer
+    (per device on its heads under a mesh). None for XLA, and for ALiBi models (nothing
+    to rotate): the model's RoPE (if any), then `write_kv` and attention."""
+    if backend == "xla" or cfg.alibi:
         return None
+    tp = 1 if mesh is None else mesh.size
 
-    def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):
+    def local(qkv, positions, inv_freq, k_cache, v_cache, layer, batch):
         q, k_cache, v_cache = rope_write_kv(
-            qkv, positions, batch["slot_mapping"], *cache, layer, inv_freq,
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            qkv, positions, batch["slot_mapping"], k_cache, v_cache, layer, inv_freq,
+            num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
             interpret=backend == "pallas-interpret")
         out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
+        return out, k_cache, v_cache
+
+    run = per_shard_qkv(local, mesh)
+
+    def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):
+        out, k_cache, v_cache = run(qkv, positions, inv_freq, *cache, layer, batch)
         return out, (k_cache, v_cache)
 
     return qkv_attn_fn
@@ -175,20 +187,30 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
 
     hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                _linear(backend, mesh),
-                               _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale))
+                               _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
+                               _col_linear(backend, mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     if extra:
         tokens, logprobs = _extra_sampling(params, cfg, hidden, logits, batch, token_ids,
                                            greedy)
-        return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache, logprobs
+        return _all_rows(tokens, prev_tokens, mesh), kv_cache, logprobs
     if greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
-    return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_cache
+    return _all_rows(tokens, prev_tokens, mesh), kv_cache
+
+
+def _all_rows(tokens, prev_tokens, mesh: Mesh | None):
+    """The step's tokens padded to `prev_tokens`' rows; under a mesh whole on every
+    device (any process reads them from its own)."""
+    tokens = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+    if mesh is not None:
+        tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, REPLICATED))
+    return tokens
 
 
 def _extra_sampling(params, cfg: ModelConfig, hidden, logits, batch, token_ids, greedy: bool):

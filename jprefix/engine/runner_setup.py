@@ -1,0 +1,88 @@
+"""The engine's device side set up: the model loaded and placed, its runner built (the one
+place the mesh is made), and the context length the KV cache can serve."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jprefix.engine.args import EngineArgs, resolve_dtype
+from jprefix.worker import multihost, xla_flags
+from jprefix.worker.model_runner import ModelRunner
+from jprefix.worker.pack import BucketConfig
+from jprefix.worker.parallel import make_mesh, placed_on
+from models.loader import LoadedModel, load, model_config
+
+
+def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] | None = None
+                 ) -> tuple[LoadedModel, ModelRunner]:
+    """The model (loaded here when given by name) and its runner: the one place the mesh
+    is made. A model loaded here is handed to the runner, which replaces its weights by
+    the step's layout (one copy on the device); a LoadedModel passed in is left as is and
+    the runner keeps the step's layout beside it (unless it is in that layout already).
+    `devices`: the device group of a data-parallel replica (`tensor_parallel_size` of
+    them; its weights, cache and steps stay on them); None: the first devices, placed as
+    jax places by default.
+
+    A multi-process run (`args.coordinator_address` / `num_processes` / `process_id`, or
+    JAX's environment: `jprefix.worker.multihost`) joins the processes first; on a
+    process other than 0 this serves process 0's steps until it stops, then exits the
+    process (SystemExit(0)): the same program runs on every host."""
+    xla_flags.apply()
+    multi = multihost.initialize(args.coordinator_address, args.num_processes,
+                                 args.process_id, args.distributed_timeout_s)
+    owned = not isinstance(model, LoadedModel)
+    cfg = model_config(model, args.load_format) if owned else model.config
+    mesh = make_mesh(cfg, args.tensor_parallel_size, devices)
+    if multi:
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 with several processes is not "
+                             "supported: run one multi-host engine (tensor parallel) or "
+                             "replicas within one process")
+        multihost.check_mesh(mesh)
+    device = devices[0] if devices is not None and mesh is None else None
+    if owned:
+        with placed_on(device):
+            model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
+    runner = ModelRunner(
+        model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
+        backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),
+        unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
+        cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
+        fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,
+        multi_process=multi,
+    )
+    if multi:  # processes other than 0 follow process 0's steps here, then exit
+        multihost.start(runner)
+    if owned:
+        model = dataclasses.replace(model, params=runner.params)
+    return model, runner
+
+
+def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
+    """The context length requests are validated against: one sequence of that many
+    tokens always fits in the KV cache alone (block 0 is the null block), so a request the
+    engine accepts can always finish, preempting others as needed.
+
+    An explicit `max_model_len` must fit the model and the cache (else ValueError). Without
+    one: the model's length, capped to the cache when the user sized the cache
+    (`num_kv_blocks`); a cache sized from memory that cannot hold the model's length is
+    refused, naming what to change."""
+    capacity = (num_blocks - 1) * args.block_size
+    cache = (f"the KV cache ({num_blocks - 1} blocks of {args.block_size} tokens = "
+             f"{capacity} tokens)")
+    if args.max_model_len is not None:
+        if not 1 <= args.max_model_len <= model_max:
+            raise ValueError(f"max_model_len {args.max_model_len} is outside [1, {model_max}], "
+                             "the model's context length")
+        if args.max_model_len > capacity:
+            raise ValueError(f"max_model_len {args.max_model_len} does not fit in {cache}: "
+                             "lower max_model_len or raise num_kv_blocks / gpu_memory_utilization")
+        return args.max_model_len
+    if capacity >= model_max:
+        return model_max
+    if args.num_kv_blocks is not None:
+        return capacity
+    raise ValueError(f"the model's context of {model_max} tokens does not fit in {cache}: set "
+                     f"max_model_len <= {capacity}, or raise gpu_memory_utilization "
+                     "(or num_kv_blocks)")
