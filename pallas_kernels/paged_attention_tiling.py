@@ -139,6 +139,7 @@ class KernelConfig:
     # for short contexts, where a program's fixed latency dominates)
     heads_per_tile: int = 1
     alibi: bool = False  # add slope_h * (k_pos - q_pos) to the logits ([H] slopes input)
+    kv_fp8: bool = False  # fp8 caches with float32 scales per row (two scales inputs)
 
     @property
     def block_kv(self) -> int:
@@ -158,7 +159,8 @@ class KernelConfig:
 
 def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
                   *, decode: bool, scale: float, soft_cap: float | None, interpret: bool,
-                  causal: bool, return_lse: bool, alibi: bool = False) -> KernelConfig:
+                  causal: bool, return_lse: bool, alibi: bool = False,
+                  kv_fp8: bool = False) -> KernelConfig:
     """The kernel's static facts from resolved knobs `bs` (`resolve_block_sizes`)."""
     t, h, d = q_shape
     _, k, n, b, _ = cache_shape
@@ -173,7 +175,7 @@ def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[i
         dump_rows=interpret, prefetch_pages=bs.prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=bs.single_loop, evict_first=bs.evict_first,
         mask_q=bs.mask_q, mask_kv=bs.mask_kv, heads_per_tile=bs.heads_per_tile,
-        alibi=alibi,
+        alibi=alibi, kv_fp8=kv_fp8,
     )
 
 
