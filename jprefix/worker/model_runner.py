@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jprefix.core.cascade import CascadePlan
 from jprefix.worker import xla_flags
 from jprefix.worker.input_batch import StepPacker
+from jprefix.worker.kv_cache import empty_kv_cache, kv_block_bytes, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import REPLICATED, kv_sharding, shard_params
 from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
@@ -64,19 +65,13 @@ class FixedInputs:
         return buffer
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
-    """Bytes of one physical block across all layers, K and V."""
-    itemsize = jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
-
-
 def auto_num_blocks(
     cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int,
     num_shards: int = 1,
 ) -> int:
     """KV blocks that fit in `memory_fraction` of the device memory free now (`cpu_blocks`
     where device memory cannot be measured); each of `num_shards` devices holds 1/num_shards
-    of every block."""
+    of every block. `dtype` is the cache's element dtype (an fp8 one counts its scales)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         return cpu_blocks
@@ -120,7 +115,7 @@ class ModelRunner:
         cfg: ModelConfig,
         num_blocks: int | None,
         block_size: int,
-        kv_dtype: Any,
+        model_dtype: Any,
         backend: str | None = None,
         buckets: BucketConfig | None = None,
         unroll_layers: bool | None = None,
@@ -130,12 +125,15 @@ class ModelRunner:
         max_num_seqs: int = 256,
         fixed_inputs: bool | None = None,
         donate_params: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
         cache for tensor parallelism; `donate_params`: see `prepare_params`. `fixed_inputs`
         passes each step's packed buffers in device buffers refilled in place
-        (`FixedInputs`); None: where XLA records command buffers."""
+        (`FixedInputs`); None: where XLA records command buffers. `kv_cache_dtype`
+        ("auto": `kv_dtype`, else an fp8 format) picks the cache's format
+        (`worker.kv_cache`); the block count from memory counts its bytes."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -143,14 +141,14 @@ class ModelRunner:
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
+        self.kv_dtype = kv_dtype(kv_cache_dtype, model_dtype)
         if num_blocks is None:
-            num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
+            num_blocks = auto_num_blocks(cfg, block_size, self.kv_dtype, memory_fraction,
                                          cpu_num_blocks, 1 if mesh is None else mesh.size)
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
-                        out_shardings=None if mesh is None else kv_sharding(mesh))
-        self._kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
+        self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
+            cfg, num_blocks, block_size, self.kv_dtype,
+            None if mesh is None else kv_sharding(mesh))
         self.packer = StepPacker(block_size, self.buckets)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.

@@ -49,14 +49,15 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def per_shard(fn, mesh: Mesh | None):
-    """Runs `fn(q, k, v, k_cache, v_cache, alibi_slopes, layer, batch) -> (out, k_cache,
-    v_cache)` on each device's heads (`alibi_slopes` [H] or None: each device gets its
+    """Runs `fn(q, k, v, cache, alibi_slopes, layer, batch) -> (out, cache)` on each
+    device's heads (`cache` a tuple of [L, K, ...] arrays, the caches and any fp8 scales,
+    all split on their kv-head axis; `alibi_slopes` [H] or None: each device gets its
     query heads' slopes); unchanged without a mesh."""
     if mesh is None:
         return fn
     return jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, HEADS, HEADS, HEAD_VALUES, REPLICATED, REPLICATED),
-        out_specs=(HEADS, HEADS, HEADS),
+        in_specs=(HEADS, HEADS, HEADS, HEADS, HEAD_VALUES, REPLICATED, REPLICATED),
+        out_specs=(HEADS, HEADS),
         check_vma=False,
     )

@@ -8,7 +8,9 @@ place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_lin
 With the Pallas backends on one device, one `rope_write_kv` kernel per layer rotates Q
 and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take `write_kv`
 and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant of the
-static config (sharded by query heads under tensor parallelism).
+static config (sharded by query heads under tensor parallelism). The cache is a tuple
+(`worker.kv_cache`): (k, v), or for an fp8 cache (k, v, k_scale, v_scale), whose scales
+every write and attention op takes (`scale_kwargs`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.sharding import Mesh
 
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
+from jprefix.worker.kv_cache import KVCache, scale_kwargs
 from jprefix.worker.parallel import per_shard
 from jprefix.worker.sampler import sample
 from models.alibi import model_slopes
@@ -43,7 +46,6 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.rope_kv_write import rope_write_kv
 from pallas_kernels.skinny_matmul import SKINNY_MIN_PROGRAMS, skinny_matmul, skinny_tiling
 
-KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
 
@@ -52,24 +54,27 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, layer, batch,
+def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch,
                scale, alibi_slopes=None):
+    """Paged attention of the step's rows against `cache` (a `KVCache` tuple)."""
+    k_cache, v_cache = cache[:2]
+    kw = dict(alibi_slopes=alibi_slopes, **scale_kwargs(cache))
     if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
             batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
             batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1, alibi_slopes=alibi_slopes,
+            use_reference=backend == "xla", max_q_len=1, **kw,
         )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
-        return paged_attention_reference(*args, scale=scale, alibi_slopes=alibi_slopes)
+        return paged_attention_reference(*args, scale=scale, **kw)
     interpret = backend == "pallas-interpret"
     if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
-                                     interpret=interpret, alibi_slopes=alibi_slopes)
+                                     interpret=interpret, **kw)
     return paged_attention(*args, scale=scale, interpret=interpret,
-                           max_q_len=1 if decode else None, alibi_slopes=alibi_slopes)
+                           max_q_len=1 if decode else None, **kw)
 
 
 def _one_device_pallas(backend: str, mesh: Mesh | None) -> bool:
@@ -110,12 +115,12 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
         return None
 
     def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):
-        q, k_cache, v_cache = rope_write_kv(
-            qkv, positions, batch["slot_mapping"], *cache, layer, inv_freq,
+        q, *cache = rope_write_kv(
+            qkv, positions, batch["slot_mapping"], *cache[:2], layer, inv_freq,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            interpret=backend == "pallas-interpret")
-        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
-        return out, (k_cache, v_cache)
+            interpret=backend == "pallas-interpret", **scale_kwargs(cache))
+        out = _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale)
+        return out, tuple(cache)
 
     return qkv_attn_fn
 
@@ -148,17 +153,16 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
     slopes = model_slopes(cfg)
     slopes = None if slopes is None else jnp.asarray(slopes)
 
-    def write_and_attend(q, k, v, k_cache, v_cache, alibi_slopes, layer, batch):
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
-        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale,
+    def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
+        cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
+        out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
                          alibi_slopes)
-        return out, k_cache, v_cache
+        return out, cache
 
     local = per_shard(write_and_attend, mesh)
 
     def attn_fn(q, k, v, cache, layer):
-        out, k_cache, v_cache = local(q, k, v, *cache, slopes, layer, batch)
-        return out, (k_cache, v_cache)
+        return local(q, k, v, tuple(cache), slopes, layer, batch)
 
     hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                _linear(backend, mesh),
