@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.fp8_linear import Fp8Weight, fp8_matmul
 
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
@@ -41,9 +42,11 @@ class LinearFn(Protocol):
     def __call__(self, x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array: ...
 
 
-def dense_linear(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:
-    """The model's matmuls as XLA runs them (the default `LinearFn`)."""
-    y = x @ w
+def dense_linear(x: jax.Array, w: jax.Array | Fp8Weight, act: str | None = None
+                 ) -> jax.Array:
+    """The model's matmuls as XLA runs them (the default `LinearFn`); an fp8 weight
+    (`quantization="fp8"`) through `models.fp8_linear.fp8_matmul`."""
+    y = fp8_matmul(x, w) if isinstance(w, Fp8Weight) else x @ w
     if act != "silu_mul":
         return y
     gate, up = jnp.split(y, 2, axis=-1)

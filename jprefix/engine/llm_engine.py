@@ -57,7 +57,7 @@ def build_runner(model: LoadedModel | str, args: EngineArgs) -> tuple[LoadedMode
         unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
         fixed_inputs=args.fixed_inputs, donate_params=owned,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
     )
     if owned:
         model = dataclasses.replace(model, params=runner.params)

@@ -20,12 +20,12 @@ from jax.sharding import Mesh, NamedSharding
 from jprefix.core.cascade import CascadePlan
 from jprefix.worker import xla_flags
 from jprefix.worker.input_batch import StepPacker
-from jprefix.worker.kv_cache import empty_kv_cache, kv_block_bytes, kv_dtype
+from jprefix.worker.kv_cache import check_fp8_device, empty_kv_cache, kv_block_bytes, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import REPLICATED, kv_sharding, shard_params
 from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
 from models.config import ModelConfig
-from models.layout import fuse_projections, unstack_layers
+from models.layout import fuse_projections, quantize_linears, unstack_layers
 
 
 class StepHandle(NamedTuple):
@@ -81,13 +81,15 @@ def auto_num_blocks(
 
 
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
-                   unroll_layers: bool | None = None, donate: bool = False) -> Any:
+                   unroll_layers: bool | None = None, donate: bool = False,
+                   quantization: str | None = None) -> Any:
     """The weights in the layout the step runs (the one place that decides it): sharded
     over `mesh`; on GPU (or with `unroll_layers`) split into per-layer buffers (no
     per-layer weight copy in the step), with Q/K/V and gate/up fused into one matmul each
     on a single device (layout "fused"). Idempotent. `donate`: the caller hands the
     weights over, so the input buffers the result does not reuse are freed at once
-    (one copy of the weights on the device, not two, before the KV cache is sized)."""
+    (one copy of the weights on the device, not two, before the KV cache is sized).
+    `quantization="fp8"`: the linear layers' weights quantised to fp8 (one device)."""
     if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
         unroll_layers = jax.default_backend() == "gpu"
     given = params
@@ -98,6 +100,13 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
             params = unstack_layers(params, fuse=mesh is None)
         elif mesh is None:
             params = fuse_projections(params)
+    if quantization == "fp8":
+        if mesh is not None:
+            raise ValueError("quantization='fp8' runs on one device (tensor_parallel_size 1)")
+        check_fp8_device("quantization='fp8'")
+        params = quantize_linears(params)
+    elif quantization is not None:
+        raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
     if donate and params is not given:
         kept = {id(x) for x in jax.tree.leaves(params)}
         for x in jax.tree.leaves(given):
@@ -126,6 +135,7 @@ class ModelRunner:
         fixed_inputs: bool | None = None,
         donate_params: bool = False,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -133,11 +143,13 @@ class ModelRunner:
         passes each step's packed buffers in device buffers refilled in place
         (`FixedInputs`); None: where XLA records command buffers. `kv_cache_dtype`
         ("auto": `kv_dtype`, else an fp8 format) picks the cache's format
-        (`worker.kv_cache`); the block count from memory counts its bytes."""
+        (`worker.kv_cache`); the block count from memory counts its bytes.
+        `quantization`: see `prepare_params`."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-        self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params)
+        self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params,
+                                     quantization)
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()

@@ -29,6 +29,7 @@ from jprefix.worker.parallel import per_shard
 from jprefix.worker.sampler import sample
 from models.alibi import model_slopes
 from models.config import ModelConfig
+from models.fp8_linear import Fp8Weight
 from models.llama import (
     LinearFn,
     QKVAttnFn,
@@ -93,6 +94,8 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
 
     def linear(x, w, act=None):
+        if isinstance(w, Fp8Weight):  # fp8 weights: the model's fp8 matmul
+            return dense_linear(x, w, act)
         n = w.shape[1] // (2 if act == "silu_mul" else 1)
         x2 = x.reshape(-1, x.shape[-1])
         tiling = skinny_tiling(*x2.shape, n, act, min_programs=min_programs)
