@@ -22,6 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
 
 
 def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> list[list[int]]:
@@ -114,7 +115,8 @@ def run_tpot(llm: LLM, prompt: list[int], prefix_len: int, output_len: int, reps
 
 def workload_parser(description: str, prompts: bool = True) -> argparse.ArgumentParser:
     """The engine benchmarks' and probes' common flags: the model and its weights, the
-    shared-prefix workload (`prompts`: also how many requests) and the JSON path."""
+    shared-prefix workload (`prompts`: also how many requests), the JSON path and the fp8
+    modes (--kv-cache-dtype, --quantization)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--load-format", default="dummy")
@@ -123,6 +125,7 @@ def workload_parser(description: str, prompts: bool = True) -> argparse.Argument
     ap.add_argument("--prefix-len", type=int, default=596)
     ap.add_argument("--unique-len", type=int, default=104)
     ap.add_argument("--output-json", default=None)
+    add_fp8_flags(ap)
     return ap
 
 
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
                            model.config.vocab_size, 0)
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
                      "prefix_len": args.prefix_len, "unique_len": args.unique_len,
-                     "xla_flags": os.environ.get("XLA_FLAGS", "")}
+                     "xla_flags": os.environ.get("XLA_FLAGS", ""), **fp8_kwargs(args)}
     fixed = {"auto": None, "on": True, "off": False}[args.fixed_inputs]
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
                   enable_cascade=cascade, fixed_inputs=fixed,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                  **fp8_kwargs(args))
         results[f"fixed_inputs_{tag}"] = llm.engine.runner.fixed_inputs is not None
         num_blocks = llm.engine.scheduler.block_manager.num_blocks
         results[f"num_kv_blocks_{tag}"] = llm.engine.scheduler.block_manager.num_blocks
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(r: dict, args) -> None:
     print(f"\n{args.model} dummy weights, {args.num_prompts} x ({args.prefix_len} shared + "
-          f"{args.unique_len}) tokens")
+          f"{args.unique_len}) tokens, kv cache {args.kv_cache_dtype}, weights "
+          f"{args.quantization or 'model dtype'}")
     for out_len in [] if args.ttft_only else args.output_len:
         on = r.get(f"throughput_on_out{out_len}")
         off = r.get(f"throughput_off_out{out_len}")

@@ -25,6 +25,22 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype and --quantization (vLLM's names), for the CLI and the benchmark
+    scripts; `fp8_kwargs` turns them into LLM keyword arguments."""
+    from jprefix.engine.args import KV_CACHE_DTYPES
+
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the KV cache's format: auto = the model dtype; fp8 = fp8_e4m3 "
+                             "(per-row scales)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: the linear layers' weights quantised at load time")
+
+
+def fp8_kwargs(args: argparse.Namespace) -> dict:
+    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jprefix", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="explicit: share the system prompt's whole blocks (prefix_pos); auto: every full "
         "prompt block; off: no prefix cache",
     )
+    add_fp8_flags(gen)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
     srv.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
@@ -65,6 +82,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tensor-parallel-size", type=int, default=1)
     srv.add_argument("--max-num-seqs", type=int, default=256)
     srv.add_argument("--policy", default="fcfs")
+    add_fp8_flags(srv)
     return parser
 
 
@@ -77,7 +95,7 @@ def run_serve(args) -> int:
               max_num_seqs=args.max_num_seqs, policy=args.policy,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching, **fp8_kwargs(args))
     serve(llm, args.host, args.port, model_name=args.served_model_name or args.model,
           api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     return 0
@@ -117,7 +135,7 @@ def run_generate(args) -> int:
     system, users = _read_inputs(args)
     llm = LLM(
         args.model, dtype=args.dtype, block_size=args.block_size,
-        enable_prefix_caching=args.prefix_mode != "off",
+        enable_prefix_caching=args.prefix_mode != "off", **fp8_kwargs(args),
     )
     prompts = [_render(llm.tokenizer, system, u) for u in users]
     system_ids = _render(llm.tokenizer, system, None)
