@@ -82,7 +82,10 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     # An edge step's keys past kv_len are padding: with mask_kv they are not fetched.
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
     k, v, scales = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok, scale_refs)
-    if cfg.kv_fp8:  # dequantise: fp8 -> the query's dtype (exact), the scales per key
+    if cfg.kv_fp8:  # dequantise: fp8 -> the dots' dtype (exact), the scales per key.
+        # A 16-bit query computes in float16, not bfloat16: every e4m3/e5m2 value is exact
+        # in both, but fp8 -> f16 is one conversion instruction per pair of values on
+        # Hopper where fp8 -> bf16 takes several, and f16 rounds q and p 8x finer.
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         x = _dot_qk(q, k) * scales[0][None, :]
     else:
@@ -196,6 +199,8 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         q = plgpu.load(q_ref.at[row[:, None], cols[None, :]], mask=row_ok[:, None], other=0.0)
     else:  # rows not ok hold some other row
         q = q_ref[row[:, None], cols[None, :]]  # [R, D]
+    if cfg.kv_fp8 and q.dtype != jnp.float32:  # the dots in float16 (`_step`)
+        q = q.astype(jnp.float16)
     pos = first_pos + tok  # [R]
 
     # Keys this tile needs: [0, kv_hi). Keys < kv_full are visible to every row.
