@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.alibi import alibi_tile_terms
 from pallas_kernels.paged_attention_tiling import KernelConfig
+from pallas_kernels.paged_gather import gather_kv, load_pages
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -73,15 +74,15 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     """
     o, m, denom, pages = carry
     if cfg.prefetch_pages:
-        nxt = _load_pages(bt_ref, seq, jnp.minimum(j + 1, bt_ref.shape[1] // cfg.pages_per_step
+        nxt = load_pages(bt_ref, seq, jnp.minimum(j + 1, bt_ref.shape[1] // cfg.pages_per_step
                                                    - 1), cfg)
     else:
-        pages = nxt = _load_pages(bt_ref, seq, j, cfg)
+        pages = nxt = load_pages(bt_ref, seq, j, cfg)
     kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
     key_pos = j * cfg.block_kv + kk % cfg.block_kv
     # An edge step's keys past kv_len are padding: with mask_kv they are not fetched.
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
-    k, v, scales = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok, scale_refs)
+    k, v, scales = gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok, scale_refs)
     if cfg.kv_fp8:  # dequantise: fp8 -> the dots' dtype (exact), the scales per key.
         # A 16-bit query computes in float16, not bfloat16: every e4m3/e5m2 value is exact
         # in both, but fp8 -> f16 is one conversion instruction per pair of values on
@@ -115,38 +116,6 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     pw = p * scales[1][None, :] if cfg.kv_fp8 else p  # (the denominator takes p)
     pv = plgpu.dot(pw.astype(v.dtype), v, precision=precision)
     return o * alpha[:, None] + pv, m_new, denom * alpha + p.sum(axis=1), nxt
-
-
-def _load_pages(bt_ref, seq, j, cfg):
-    """Page id of each key of step j from bt_ref [S, Mp], [keys_per_step] (each page's id
-    repeated B times, and the step's ids repeated for each of the tile's heads)."""
-    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32) % cfg.block_kv
-    return bt_ref[seq, j * cfg.pages_per_step + kk // cfg.block_size]
-
-
-def _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok=None, scale_refs=None):
-    """The step's keys and values from k_ref, v_ref [L*K*N*B, D], [keys_per_step, D]
-    each, one row pointer per key (not a [P, B, D] page load reshaped, see
-    docs/KERNEL_NOTES.md); `page_base` is the block index of the (layer, first head)'s
-    block 0, `pages` [keys_per_step] the keys' page ids; rows where `kv_ok`
-    [keys_per_step] is False are not loaded (zeros). Returns (k, v, scales): scales
-    (k's, v's [keys_per_step] float32) from `scale_refs` [L*K*N*B] each, or None."""
-    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
-    if cfg.heads_per_tile > 1:  # page_base is the tile's first head's; key kk is of head
-        page_base = page_base + (kk // cfg.block_kv) * cfg.num_blocks  # kk // block_kv
-    rows = (page_base + pages) * cfg.block_size + kk % cfg.block_size
-    cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
-    idx = (rows[:, None], cols[None, :])
-    scales = None
-    if scale_refs is not None:
-        skw = {} if kv_ok is None else {"mask": kv_ok, "other": 0.0}
-        scales = tuple(plgpu.load(r.at[rows], **skw) for r in scale_refs)
-    if kv_ok is None and not cfg.evict_first:
-        return k_ref[idx], v_ref[idx], scales
-    kw = {} if kv_ok is None else {"mask": kv_ok[:, None], "other": 0.0}
-    if cfg.evict_first:
-        kw["eviction_policy"] = "evict_first"
-    return plgpu.load(k_ref.at[idx], **kw), plgpu.load(v_ref.at[idx], **kw), scales
 
 
 def ragged_paged_attention_kernel(
@@ -231,7 +200,7 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
         jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),
         jnp.zeros((cfg.tile_rows,), jnp.float32),
-        _load_pages(bt_ref, seq, jnp.minimum(lo, max_steps - 1), cfg),
+        load_pages(bt_ref, seq, jnp.minimum(lo, max_steps - 1), cfg),
     )
     if cfg.single_loop:
         o, m, denom, _ = lax.fori_loop(lo, hi, functools.partial(step, masked=True), carry)
