@@ -121,3 +121,19 @@ def test_generate_and_cli_take_the_flag(sharp):
                             attention_backend="xla")
     want = dense_fp8_generate(sharp.params, sharp.config, prompt, 3, FP8_NAMES["fp8"])
     assert outs[0].token_ids == want
+
+
+def test_cli_and_scripts_take_the_flags():
+    from jprefix.entrypoints.cli import _build_parser, fp8_kwargs
+    from scripts.bench_engine import workload_parser
+
+    parser = _build_parser()
+    for cmd in ("generate", "serve"):
+        args = parser.parse_args([cmd, "--kv-cache-dtype", "fp8_e5m2", "--quantization", "fp8"])
+        assert fp8_kwargs(args) == {"kv_cache_dtype": "fp8_e5m2", "quantization": "fp8"}
+        assert fp8_kwargs(parser.parse_args([cmd])) == {"kv_cache_dtype": "auto",
+                                                        "quantization": None}
+        with pytest.raises(SystemExit):
+            parser.parse_args([cmd, "--kv-cache-dtype", "int8"])
+    args = workload_parser("x").parse_args(["--kv-cache-dtype", "fp8", "--quantization", "fp8"])
+    assert fp8_kwargs(args) == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
