@@ -137,3 +137,20 @@ def test_cli_and_scripts_take_the_flags():
             parser.parse_args([cmd, "--kv-cache-dtype", "int8"])
     args = workload_parser("x").parse_args(["--kv-cache-dtype", "fp8", "--quantization", "fp8"])
     assert fp8_kwargs(args) == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
+
+
+def test_fp8_on_a_gpu_without_fp8_says_so(monkeypatch):
+    from types import SimpleNamespace
+
+    from jprefix.worker import kv_cache
+
+    a100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="A100")
+    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [a100])
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a GPU with fp8 "
+                                         r"support .*A100 has 8.0"):
+        kv_dtype("fp8", jnp.bfloat16)
+    with pytest.raises(ValueError, match="quantization='fp8' needs a GPU"):
+        kv_cache.check_fp8_device("quantization='fp8'")
+    h200 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="H200")
+    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [h200])
+    assert kv_dtype("fp8_e5m2", jnp.bfloat16) == FP8_NAMES["fp8_e5m2"]
