@@ -79,7 +79,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build a config from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+        """Build a config from a Hugging Face config.json dict (transformers 4 or 5 layout).
+        An already-quantised checkpoint (`quantization_config`: fp8, compressed-tensors,
+        GPTQ, ...) is refused: its weights need their own scales to load."""
+        quant = hf.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(f"the checkpoint is already quantised (quantization_config "
+                             f"quant_method={method!r}), which jprefix does not load: load "
+                             "its float (bf16/fp16/fp32) checkpoint and pass "
+                             "quantization='fp8' to quantise it at load time")
         arch = _hf_arch(hf)
         if arch == "baichuan":
             return _from_baichuan_config(hf)

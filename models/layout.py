@@ -7,6 +7,7 @@ sets `Params.layout`, which `models.llama.forward` reads. Tensor parallelism pla
 stacked params with `param_partition_specs` / `param_shardings`; fusing
 concatenates per shard under tensor parallelism (`Params.shards`), since splitting a plain
 concatenation [wq | wk | wv] by columns would mix heads.
+`quantize_linears` turns the linear layers' weights into fp8 (`quantization="fp8"`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.fp8_linear import Fp8Weight, quantize_weight
 from models.llama import LayerParams, Params, check_layout
 
 # fused field -> the fields concatenated into it along the output axis, in order
@@ -145,3 +147,22 @@ def _split_layers(x: jax.Array) -> list[jax.Array]:
     split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])),
                     out_shardings=None if out is None else (out,) * x.shape[0])
     return list(split(x))
+
+
+_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def quantize_linears(params: Params) -> Params:
+    """The params with every linear layer's weight an fp8 `Fp8Weight` (per output channel
+    scales, `models.fp8_linear`), in any layout (fused columns quantise as their parts
+    would: the scales are per column); embed, norms, biases and lm_head unchanged.
+    Weights already fp8 are kept."""
+
+    def quantize(lp: LayerParams) -> LayerParams:
+        return dataclasses.replace(lp, **{
+            name: quantize_weight(w) for name in _LINEARS
+            if (w := getattr(lp, name)) is not None and not isinstance(w, Fp8Weight)})
+
+    layers = params.layers
+    layers = tuple(map(quantize, layers)) if isinstance(layers, tuple) else quantize(layers)
+    return dataclasses.replace(params, layers=layers)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.fp8_linear import Fp8Weight, fp8_matmul
 
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
@@ -41,9 +42,11 @@ class LinearFn(Protocol):
     def __call__(self, x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array: ...
 
 
-def dense_linear(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:
-    """The model's matmuls as XLA runs them (the default `LinearFn`)."""
-    y = x @ w
+def dense_linear(x: jax.Array, w: jax.Array | Fp8Weight, act: str | None = None
+                 ) -> jax.Array:
+    """The model's matmuls as XLA runs them (the default `LinearFn`); an fp8 weight
+    (`quantization="fp8"`) through `models.fp8_linear.fp8_matmul`."""
+    y = fp8_matmul(x, w) if isinstance(w, Fp8Weight) else x @ w
     if act != "silu_mul":
         return y
     gate, up = jnp.split(y, 2, axis=-1)
@@ -133,30 +136,6 @@ def param_shapes(cfg: ModelConfig) -> Params:
         w_gate=(n, e, f), w_up=(n, e, f), w_down=(n, f, e))
     lm_head = None if cfg.tie_word_embeddings else (e, v)
     return Params(embed=(v, e), layers=layers, final_norm=(e,), lm_head=lm_head)
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple)
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> Params:
-    """Random stacked weights (normal, std 0.02; norms 1).
-
-    jit it with cfg and dtype static (and out_shardings) to create the weights on device.
-    """
-    shapes, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)
-    keys = jax.random.split(key, len(shapes))
-
-    def make(path: Any, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        if "norm" in jax.tree_util.keystr(path):
-            return jnp.ones(shape, dtype)
-        return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-
-    leaves = [make(path, shape, k) for (path, shape), k in zip(shapes, keys, strict=True)]
-    params = jax.tree_util.tree_unflatten(treedef, leaves)
-    if cfg.norm_head:
-        params = dataclasses.replace(params, lm_head=normalize_head(params.lm_head))
-    return params
 
 
 def normalize_head(lm_head: jax.Array) -> jax.Array:

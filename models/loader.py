@@ -16,8 +16,9 @@ from models.config import PRESETS, ModelConfig
 from models.fetch import EMBEDDED, fetch_embedded, snapshot
 from models.gguf_loader import load_gguf
 from models.layout import param_shardings
-from models.llama import Params, init_params
+from models.llama import Params
 from models.safetensors_loader import load_hf_checkpoint, read_hf_config
+from models.weights import init_params
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_MODEL = "smollm2-135m"

@@ -9,14 +9,16 @@ than one stacked field beyond the file's memory map.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.llama import LayerParams, Params, param_shapes
+from models.llama import LayerParams, Params, normalize_head, param_shapes
 
 # (field name, layer index or None) -> (array in HF orientation, "<file>: tensor <name>")
 TensorGetter = Callable[[str, int | None], tuple[np.ndarray, str]]
@@ -84,3 +86,27 @@ def build_params(cfg: ModelConfig, get: TensorGetter, dtype: Any,
         del host
     return Params(embed=top("embed"), layers=LayerParams(**layer_fields),
                   final_norm=top("final_norm"), lm_head=top("lm_head"))
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> Params:
+    """Random stacked weights (normal, std 0.02; norms 1).
+
+    jit it with cfg and dtype static (and out_shardings) to create the weights on device.
+    """
+    shapes, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)
+    keys = jax.random.split(key, len(shapes))
+
+    def make(path: Any, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    leaves = [make(path, shape, k) for (path, shape), k in zip(shapes, keys, strict=True)]
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    if cfg.norm_head:
+        params = dataclasses.replace(params, lm_head=normalize_head(params.lm_head))
+    return params

@@ -115,6 +115,8 @@ def cascade_attention(
     prefix_block_sizes: BlockSizes = PREFIX_BLOCK_SIZES,
     suffix_block_sizes: BlockSizes = SUFFIX_BLOCK_SIZES,
     alibi_slopes: jax.Array | None = None,  # [H] float32
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
 ) -> jax.Array:
     """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
 
@@ -124,14 +126,16 @@ def cascade_attention(
     `suffix_block_sizes` tune the two `paged_attention` calls (the prefix's kv_splits
     None: `resolve_prefix_block_sizes`). `use_reference` runs the same composition on
     `paged_attention_reference` (the XLA path; the knobs are ignored there).
-    `alibi_slopes` as in `paged_attention`, at each row's absolute position.
+    `alibi_slopes` as in `paged_attention`, at each row's absolute position; an fp8
+    cache's `k_scale`, `v_scale` as there (both parts read the cache through them).
     """
     _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     groups = _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     suffix = dict(block_tables=suffix_block_tables, kv_lens=suffix_kv_lens,
                   cu_q_lens=cu_q_lens)
     common = dict(q=q, k_cache=k_cache, v_cache=v_cache, layer=layer, scale=scale,
-                  soft_cap=soft_cap, return_lse=True, alibi_slopes=alibi_slopes)
+                  soft_cap=soft_cap, return_lse=True, alibi_slopes=alibi_slopes,
+                  k_scale=k_scale, v_scale=v_scale)
     if use_reference:
         o1, lse1 = paged_attention_reference(**groups, causal=False, **common)
         o2, lse2 = paged_attention_reference(**suffix, **common)
@@ -176,6 +180,8 @@ def cascade_attention_reference(
     scale: float,
     soft_cap: float | None = None,
     alibi_slopes: jax.Array | None = None,  # [H] float32
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
 ) -> jax.Array:
     """The dense check: each sequence's full table (its group's prefix blocks, then its
     own blocks) and plain causal `paged_attention_reference` over it. Returns [T, H, D].
@@ -198,4 +204,5 @@ def cascade_attention_reference(
     tables = jnp.where(j < n_prefix, from_prefix, from_suffix)
     return paged_attention_reference(q, k_cache, v_cache, layer, tables,
                                      prefix_len + suffix_kv_lens, cu_q_lens, scale=scale,
-                                     soft_cap=soft_cap, alibi_slopes=alibi_slopes)
+                                     soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                                     k_scale=k_scale, v_scale=v_scale)

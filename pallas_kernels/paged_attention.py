@@ -19,6 +19,11 @@ output is the same for any q_pos, only the lse moves by `slope_h * (kv_len - q_p
 which cascade attention adds back for the row's true position). None: no bias, and the
 op is the same program as without the argument.
 
+With an fp8 cache (`fp8.py`) `k_scale` and `v_scale` ([L, K, N, B] float32, one scale
+per cached row) come with it: every op here reads the cache as `cache * scale`; the
+kernel dequantises inside (fp8 tiles and their scales loaded, converted in registers),
+the reference after its gather. q is then any of bf16/f16/f32.
+
 `paged_attention` runs the Pallas kernel (`paged_attention_kernel.py`) tuned by
 `BlockSizes`; `paged_attention_reference` is the same function in plain jnp (the check,
 and the XLA path). Cache layout: `common.py`.
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.alibi import check_slopes
 from pallas_kernels.common import INT32, check_caches, check_float_dtypes, is_pow2
+from pallas_kernels.fp8 import check_fp8_cache
 from pallas_kernels.paged_attention_kernel import run_kernel
 from pallas_kernels.paged_attention_tiling import (
     BlockSizes,
@@ -42,7 +48,8 @@ from pallas_kernels.paged_attention_tiling import (
 )
 
 
-def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
+def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens,
+                  k_scale=None, v_scale=None):
     """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H, D], got shape {q.shape}")
@@ -55,7 +62,11 @@ def _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens):
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k})")
     if not (is_pow2(d) and is_pow2(b)):
         raise ValueError(f"head_dim ({d}) and block_size ({b}) must be powers of 2")
-    check_float_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
+    check_fp8_cache(k_cache, v_cache, k_scale, v_scale)
+    if k_scale is None:
+        check_float_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
+    else:
+        check_float_dtypes(q=q)
     if block_tables.ndim != 2 or jnp.dtype(block_tables.dtype) != INT32:
         raise ValueError(f"block_tables must be int32 [S, M], got {block_tables.dtype}"
                          f"{list(block_tables.shape)}")
@@ -88,6 +99,8 @@ def paged_attention(
     return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     alibi_slopes: jax.Array | None = None,  # [H] float32
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a ragged batch against the paged KV cache. Returns [T, H, D], or with
     `return_lse` `(out [T, H, D], lse [T, H] float32)` (module docstring).
@@ -98,13 +111,15 @@ def paged_attention(
     any input; `block_sizes` (None: `BlockSizes()`) tunes the Triton lowering, its
     None fields chosen by `resolve_block_sizes`.
     """
-    _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
+    _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens, k_scale,
+                  v_scale)
     check_slopes(alibi_slopes, q.shape[1])
     bs = resolve_block_sizes(block_sizes or BlockSizes(), q.shape, k_cache.shape, q.dtype,
-                             max_q_len=max_q_len, causal=causal)
+                             max_q_len=max_q_len, causal=causal, kv_fp8=k_scale is not None)
     cfg = kernel_config(bs, q.shape, k_cache.shape, decode=max_q_len == 1, scale=scale,
                         soft_cap=soft_cap, interpret=interpret, causal=causal,
-                        return_lse=return_lse, alibi=alibi_slopes is not None)
+                        return_lse=return_lse, alibi=alibi_slopes is not None,
+                        kv_fp8=k_scale is not None)
     num_layers, k, n, b, d = k_cache.shape
     t, h, _ = q.shape
     pad = -block_tables.shape[1] % cfg.pages_per_step
@@ -112,8 +127,10 @@ def paged_attention(
     meta = tile_metadata(cu_q_lens, kv_lens, t, cfg.tile_tokens)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     rows = (num_layers * k * n * b, d)  # one row per cached token and head
+    kv_scales = None if k_scale is None else (k_scale.reshape(-1), v_scale.reshape(-1))
     out = run_kernel(q.reshape(t * h, d), k_cache.reshape(rows), v_cache.reshape(rows),
                      layer, block_tables, meta, cfg, alibi_slopes=alibi_slopes,
+                     kv_scales=kv_scales,
                      num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret)
     if return_lse:
         return out[0].reshape(t, h, d), out[1].reshape(t, h)
@@ -135,6 +152,8 @@ def mixed_paged_attention(
     soft_cap: float | None = None,
     interpret: bool = False,
     alibi_slopes: jax.Array | None = None,  # [H] float32
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
 ) -> jax.Array:
     """`paged_attention` of a batch whose first `num_decode` sequences have one query
     row each (rows `0:num_decode`), as a step mixing decodes with prefill chunks does:
@@ -144,16 +163,17 @@ def mixed_paged_attention(
     Returns [T, H, D]; the same function as `paged_attention` on the same inputs."""
     t = q.shape[0]
     num_seqs = kv_lens.shape[0]
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     decoding = jnp.arange(num_seqs) < num_decode
     rows = min(t, num_seqs)  # the decode rows come first: 0:num_decode within 0:S
     out_decode = paged_attention(  # later sequences: no rows, no keys
         q[:rows], k_cache, v_cache, layer, block_tables, jnp.where(decoding, kv_lens, 0),
         jnp.minimum(cu_q_lens, num_decode), scale=scale, soft_cap=soft_cap,
-        interpret=interpret, max_q_len=1, alibi_slopes=alibi_slopes)
+        interpret=interpret, max_q_len=1, alibi_slopes=alibi_slopes, **scales)
     out = paged_attention(  # the decode sequences: no rows (0:num_decode is left alone)
         q, k_cache, v_cache, layer, block_tables, jnp.where(decoding, 0, kv_lens),
         jnp.maximum(cu_q_lens, num_decode), scale=scale, soft_cap=soft_cap,
-        interpret=interpret, alibi_slopes=alibi_slopes)
+        interpret=interpret, alibi_slopes=alibi_slopes, **scales)
     decode_rows = (jnp.arange(rows) < num_decode)[:, None, None]
     return out.at[:rows].set(jnp.where(decode_rows, out_decode, out[:rows]))
 
@@ -171,15 +191,21 @@ def token_positions(cu_q_lens, kv_lens, num_tokens: int):
 
 
 def _reference_chunk(q, limit, valid, tables, bias_pos=None, *, k_cache, v_cache, layer,
-                     scale, soft_cap, return_lse, alibi_slopes):
+                     scale, soft_cap, return_lse, alibi_slopes, k_scale=None, v_scale=None):
     """Attention for C tokens, each against keys [0, limit) of its sequence's pages;
-    with `alibi_slopes` [H], the ALiBi bias of a token at position `bias_pos`."""
+    with `alibi_slopes` [H], the ALiBi bias of a token at position `bias_pos`; an fp8
+    cache dequantised (float32) after the gather."""
     c, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
     m = tables.shape[1]
     idx = (layer, jnp.arange(k)[None, None, :], tables[:, :, None])
     keys = k_cache[idx].transpose(0, 2, 1, 3, 4).reshape(c, k, m * b, d)  # [C, K, M*B, D]
     vals = v_cache[idx].transpose(0, 2, 1, 3, 4).reshape(c, k, m * b, d)
+    if k_scale is not None:  # [C, M, K, B] scales of the gathered rows
+        ks = k_scale[idx].transpose(0, 2, 1, 3).reshape(c, k, m * b, 1)
+        vs = v_scale[idx].transpose(0, 2, 1, 3).reshape(c, k, m * b, 1)
+        keys = keys.astype(jnp.float32) * ks
+        vals = vals.astype(jnp.float32) * vs
     qg = q.reshape(c, k, h // k, d)
     s = jnp.einsum("ckgd,ckjd->ckgj", qg, keys, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST) * scale
@@ -221,15 +247,18 @@ def paged_attention_reference(
     causal: bool = True,
     return_lse: bool = False,
     alibi_slopes: jax.Array | None = None,  # [H] float32
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain-jnp paged attention with `paged_attention`'s semantics (also the CPU path).
 
     Each token gathers its sequence's pages straight from the multi-layer cache (no
     layer copy) and runs a masked float32 softmax. Tokens go `token_chunk` at a time
     (default: about 16M gathered elements per chunk) so memory stays bounded.
-    `causal`, `return_lse` and `alibi_slopes` as in `paged_attention`.
+    `causal`, `return_lse`, `alibi_slopes` and the fp8 scales as in `paged_attention`.
     """
-    _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens)
+    _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens, k_scale,
+                  v_scale)
     check_slopes(alibi_slopes, q.shape[1])
     t, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
@@ -241,7 +270,8 @@ def paged_attention_reference(
     c = min(t, token_chunk)
     chunk = functools.partial(_reference_chunk, k_cache=k_cache, v_cache=v_cache,
                               layer=layer, scale=scale, soft_cap=soft_cap,
-                              return_lse=return_lse, alibi_slopes=alibi_slopes)
+                              return_lse=return_lse, alibi_slopes=alibi_slopes,
+                              k_scale=k_scale, v_scale=v_scale)
     args = (q, limit, valid, block_tables[seq])
     if alibi_slopes is not None:  # ALiBi's q_pos (module docstring)
         args += (pos if causal else kv_lens[seq],)

@@ -12,7 +12,11 @@ Three static options add code only when set: `causal=False` (every row sees all
 `kv_len` keys; cascade attention's shared-prefix part), `return_lse` (also the
 log-sum-exp of each row's logits, natural log, -inf for rows that see no key) and
 `alibi` (an [H] slopes input; each step adds `slope_h * (key_pos - q_pos)` to the
-logits, q_pos = the row's position, or kv_len with `causal=False`).
+logits, q_pos = the row's position, or kv_len with `causal=False`) and `kv_fp8` (the
+caches are fp8 with float32 scales per row, `fp8.py`: each step loads the fp8 tiles and
+their scales, converts the tiles to the query's dtype for the dots, multiplies each
+key's logits by its K scale and each key's softmax weight by its V scale; the bytes
+read per key are D + 4 instead of 2D).
 
 Interpret mode stores a masked lane as a read-modify-write scatter, so two lanes of one
 store must not share a row: with `cfg.dump_rows` masked rows store to private rows past
@@ -32,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.alibi import alibi_tile_terms
 from pallas_kernels.paged_attention_tiling import KernelConfig
+from pallas_kernels.paged_gather import gather_kv, load_pages
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -44,16 +49,16 @@ def _dot_qk(q, k):
     return plgpu.dot(q, k, trans_b=True, precision=precision)
 
 
-def _logits(q, k, cfg: KernelConfig):
-    """Scaled (and soft-capped) logits in log2 units, float32 [R, block_kv]."""
-    s = _dot_qk(q, k)
+def _logits(s, cfg: KernelConfig):
+    """Scaled (and soft-capped) logits in log2 units from the raw dot products s, float32
+    [R, block_kv]."""
     if cfg.soft_cap is None:
         return s * (cfg.scale * LOG2E)
     return jnp.tanh(s * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
 
 
 def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg,
-          masked, alibi=None):
+          masked, alibi=None, scale_refs=None):
     """One online-softmax step over `block_kv` keys (of each of the tile's heads) gathered
     from `pages_per_step` pages; `masked` adds the causal / length mask (edge steps).
 
@@ -65,19 +70,28 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     units of x, float32 [R], and the tile's anchor position (int32 scalar,
     `alibi.alibi_tile_terms`). With `cfg.alibi_folded` x is the raw dot product plus
     the bias over the scale, and `unit` = scale * log2(e) scales it inside exp2.
+    `scale_refs` (with `cfg.kv_fp8`): the K and V scales, [L*K*N*B] float32 each.
     """
     o, m, denom, pages = carry
     if cfg.prefetch_pages:
-        nxt = _load_pages(bt_ref, seq, jnp.minimum(j + 1, bt_ref.shape[1] // cfg.pages_per_step
+        nxt = load_pages(bt_ref, seq, jnp.minimum(j + 1, bt_ref.shape[1] // cfg.pages_per_step
                                                    - 1), cfg)
     else:
-        pages = nxt = _load_pages(bt_ref, seq, j, cfg)
+        pages = nxt = load_pages(bt_ref, seq, j, cfg)
     kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
     key_pos = j * cfg.block_kv + kk % cfg.block_kv
     # An edge step's keys past kv_len are padding: with mask_kv they are not fetched.
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
-    k, v = _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok)
-    x = _dot_qk(q, k) if cfg.alibi_folded else _logits(q, k, cfg)
+    k, v, scales = gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok, scale_refs)
+    if cfg.kv_fp8:  # dequantise: fp8 -> the dots' dtype (exact), the scales per key.
+        # A 16-bit query computes in float16, not bfloat16: every e4m3/e5m2 value is exact
+        # in both, but fp8 -> f16 is one conversion instruction per pair of values on
+        # Hopper where fp8 -> bf16 takes several, and f16 rounds q and p 8x finer.
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        x = _dot_qk(q, k) * scales[0][None, :]
+    else:
+        x = _dot_qk(q, k)
+    x = x if cfg.alibi_folded else _logits(x, cfg)
     if cfg.alibi:  # slope * (key_pos - anchor): one multiply-add per logit
         slope, anchor = alibi
         x = x + slope[:, None] * (key_pos - anchor).astype(jnp.float32)[None, :]
@@ -99,35 +113,9 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(x - m_new[:, None])
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else None
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    pw = p * scales[1][None, :] if cfg.kv_fp8 else p  # (the denominator takes p)
+    pv = plgpu.dot(pw.astype(v.dtype), v, precision=precision)
     return o * alpha[:, None] + pv, m_new, denom * alpha + p.sum(axis=1), nxt
-
-
-def _load_pages(bt_ref, seq, j, cfg):
-    """Page id of each key of step j from bt_ref [S, Mp], [keys_per_step] (each page's id
-    repeated B times, and the step's ids repeated for each of the tile's heads)."""
-    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32) % cfg.block_kv
-    return bt_ref[seq, j * cfg.pages_per_step + kk // cfg.block_size]
-
-
-def _gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok=None):
-    """The step's keys and values from k_ref, v_ref [L*K*N*B, D], [keys_per_step, D]
-    each, one row pointer per key (not a [P, B, D] page load reshaped, see
-    docs/KERNEL_NOTES.md); `page_base` is the block index of the (layer, first head)'s
-    block 0, `pages` [keys_per_step] the keys' page ids; rows where `kv_ok`
-    [keys_per_step] is False are not loaded (zeros)."""
-    kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32)
-    if cfg.heads_per_tile > 1:  # page_base is the tile's first head's; key kk is of head
-        page_base = page_base + (kk // cfg.block_kv) * cfg.num_blocks  # kk // block_kv
-    rows = (page_base + pages) * cfg.block_size + kk % cfg.block_size
-    cols = jnp.arange(cfg.head_dim, dtype=jnp.int32)
-    idx = (rows[:, None], cols[None, :])
-    if kv_ok is None and not cfg.evict_first:
-        return k_ref[idx], v_ref[idx]
-    kw = {} if kv_ok is None else {"mask": kv_ok[:, None], "other": 0.0}
-    if cfg.evict_first:
-        kw["eviction_policy"] = "evict_first"
-    return plgpu.load(k_ref.at[idx], **kw), plgpu.load(v_ref.at[idx], **kw)
 
 
 def ragged_paged_attention_kernel(
@@ -137,7 +125,8 @@ def ragged_paged_attention_kernel(
     q_ref,  # [T*H, D]
     k_ref,  # [L*K*N*B, D]
     v_ref,  # [L*K*N*B, D]
-    *refs,  # cfg.alibi: slopes [H] float32; then the outputs:
+    *refs,  # cfg.alibi: slopes [H] float32; cfg.kv_fp8: k, v scales [L*K*N*B] float32;
+    # then the outputs:
     # o [T*H(+R), D] out dtype, or [splits*(T*H(+R)), D] float32 partials;
     # kv_splits > 1: m, l partials [splits*(T*H(+R))] float32;
     # kv_splits == 1 and return_lse: lse [T*H(+R)] float32
@@ -160,7 +149,8 @@ def ragged_paged_attention_kernel(
 def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs,
           cfg: KernelConfig):
     """The kernel's work for one live tile (`ragged_paged_attention_kernel`)."""
-    slopes_ref, (o_ref, *stat_refs) = (refs[0], refs[1:]) if cfg.alibi else (None, refs)
+    slopes_ref, refs = (refs[0], refs[1:]) if cfg.alibi else (None, refs)
+    scale_refs, (o_ref, *stat_refs) = (refs[:2], refs[2:]) if cfg.kv_fp8 else (None, refs)
     seq, tok0, valid = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
     first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
 
@@ -178,6 +168,8 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         q = plgpu.load(q_ref.at[row[:, None], cols[None, :]], mask=row_ok[:, None], other=0.0)
     else:  # rows not ok hold some other row
         q = q_ref[row[:, None], cols[None, :]]  # [R, D]
+    if cfg.kv_fp8 and q.dtype != jnp.float32:  # the dots in float16 (`_step`)
+        q = q.astype(jnp.float16)
     pos = first_pos + tok  # [R]
 
     # Keys this tile needs: [0, kv_hi). Keys < kv_full are visible to every row.
@@ -196,7 +188,7 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
     page_base = (layer_ref[0] * cfg.num_kv_heads + kvh) * cfg.num_blocks
     step = functools.partial(
         _step, q=q, pos=pos, row_head=row_head, kv_len=kv_len, seq=seq, page_base=page_base,
-        bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg,
+        bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg, scale_refs=scale_refs,
     )
     if cfg.alibi:
         head = jnp.minimum((kvh + row_head) * cfg.group + g, cfg.num_heads - 1)
@@ -208,7 +200,7 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
         jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),
         jnp.zeros((cfg.tile_rows,), jnp.float32),
-        _load_pages(bt_ref, seq, jnp.minimum(lo, max_steps - 1), cfg),
+        load_pages(bt_ref, seq, jnp.minimum(lo, max_steps - 1), cfg),
     )
     if cfg.single_loop:
         o, m, denom, _ = lax.fori_loop(lo, hi, functools.partial(step, masked=True), carry)
@@ -259,11 +251,13 @@ def combine_splits(o: jax.Array, m: jax.Array, denom: jax.Array, num_rows: int, 
 def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
                block_tables: jax.Array, meta: jax.Array, cfg: KernelConfig, *,
                num_warps: int, num_stages: int, interpret: bool,
-               alibi_slopes: jax.Array | None = None
+               alibi_slopes: jax.Array | None = None,
+               kv_scales: tuple[jax.Array, jax.Array] | None = None,
                ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Launches the kernel: q2 [T*H, D]; k2, v2 the caches as [L*K*N*B, D]; layer [1]
     int32; block_tables [S, Mp] int32 (Mp a multiple of pages_per_step); meta [NT, 5]
-    int32 (`tile_metadata`); alibi_slopes [H] float32, given iff `cfg.alibi`.
+    int32 (`tile_metadata`); alibi_slopes [H] float32, given iff `cfg.alibi`; kv_scales
+    (k's, v's [L*K*N*B] float32), given iff `cfg.kv_fp8`.
 
     Returns [T*H, D], or with `cfg.return_lse` ([T*H, D], lse [T*H] float32).
     """
@@ -281,7 +275,10 @@ def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
     if cfg.alibi != (alibi_slopes is not None):
         raise ValueError("alibi_slopes must be given exactly when cfg.alibi is set")
     inputs = (meta, block_tables, layer, q2, k2, v2)
+    if cfg.kv_fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly when cfg.kv_fp8 is set")
     inputs += (alibi_slopes,) if cfg.alibi else ()
+    inputs += tuple(kv_scales) if cfg.kv_fp8 else ()
     outs = pl.pallas_call(
         functools.partial(ragged_paged_attention_kernel, cfg=cfg),
         grid=(meta.shape[0], cfg.num_kv_heads // cfg.heads_per_tile, cfg.kv_splits),
@@ -305,5 +302,6 @@ def _kernel_name(cfg: KernelConfig) -> str:
     name += "" if cfg.causal else "_full"
     name += "_lse" if cfg.return_lse else ""
     name += "_alibi" if cfg.alibi else ""
+    name += "_fp8" if cfg.kv_fp8 else ""
     name += f"_hp{cfg.heads_per_tile}" if cfg.heads_per_tile > 1 else ""
     return name + "_1loop" * cfg.single_loop

@@ -16,6 +16,11 @@ donated no cache-sized copy is made, and only the written rows change. Null-bloc
 (< B, padding tokens) are not written, as in `kv_cache.write_kv`. Row indices stay int32
 (L*K*N*B < 2**31 is checked); Pallas Triton scales them by D in 64 bits by itself once
 an array passes 4 GiB (a 7B model's cache is ~50 GB).
+
+An fp8 cache (`fp8.py`) comes with its scales `k_scale, v_scale` [L, K, N, B] float32,
+also updated in place: each written k row (rotated, rounded to the model dtype) and v
+row is quantised with its own scale (`fp8.quantize_rows`, computed in the kernel), the
+scale stored at the row's index of the scales' flat view.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pallas_kernels.common import (
     is_pow2,
     next_pow2,
 )
+from pallas_kernels.fp8 import check_fp8_cache, quantize_with, row_scale
 from pallas_kernels.kv_cache import write_kv
 
 # Elements of one head's tile ([bt, D]): a q program moves ~2K elements in and out, a KV
@@ -54,12 +60,16 @@ class _Config:
     block_size: int  # B
     head_dim: int  # D
     block_tokens: int  # bt
+    fp8: bool = False  # the caches are fp8, with scales (two more aliased inputs)
 
 
-def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v_in,
-                       q_ref, k_ref, v_ref, *, cfg: _Config):
-    """qkv_ref [T, (H+2K)*D]; q_ref [T, H*D]; k_ref/v_ref [L*K*N*B, D], aliasing the
-    inputs _k_in/_v_in. Program (i, j): tokens i*bt.., q head j (j < H) or kv head j-H."""
+def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, *refs, cfg: _Config):
+    """qkv_ref [T, (H+2K)*D]; refs: the cache inputs (k, v [L*K*N*B, D]; with cfg.fp8
+    also the k, v scales [L*K*N*B] float32), then the outputs q_ref [T, H*D] and the
+    caches k_ref, v_ref (and ks_ref, vs_ref), aliasing those inputs. Program (i, j):
+    tokens i*bt.., q head j (j < H) or kv head j-H."""
+    n_cache = 4 if cfg.fp8 else 2
+    q_ref, k_ref, v_ref, *scale_refs = refs[n_cache:]
     # (the program ids are read out here: interpret mode cannot lower them inside a cond)
     i, j = pl.program_id(0), pl.program_id(1)
     h, d, half = cfg.num_heads, cfg.head_dim, cfg.head_dim // 2
@@ -89,6 +99,8 @@ def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v
     def _kv_head():
         kvh = j - h
         k1, k2 = rotate((h + kvh) * d)
+        cd = jnp.arange(d, dtype=jnp.int32)
+        v = qkv_ref[tok_ld[:, None], ((h + cfg.num_kv_heads + kvh) * d + cd)[None, :]]
         slot = slot_ref[tok_ld]
         write = ok & (slot >= cfg.block_size)  # not past T, not the null block
         base = (layer_ref[0] * cfg.num_kv_heads + kvh) * cfg.slots
@@ -97,17 +109,25 @@ def _rope_write_kernel(layer_ref, pos_ref, slot_ref, inv_ref, qkv_ref, _k_in, _v
         # no lane may share a row with a written one (a past-T lane's clamped slot would).
         row = (base + jnp.where(write, slot, 0))[:, None]
         m = write[:, None]
+        if cfg.fp8:  # each row quantised with its own scale, stored beside it
+            k1, k2, v = k1.astype(jnp.float32), k2.astype(jnp.float32), v.astype(jnp.float32)
+            amax = jnp.maximum(jnp.abs(k1).max(axis=1), jnp.abs(k2).max(axis=1))
+            ks, vs = row_scale(amax, k_ref.dtype), row_scale(jnp.abs(v).max(axis=1), v_ref.dtype)
+            k1 = quantize_with(k1, ks[:, None], k_ref.dtype)
+            k2 = quantize_with(k2, ks[:, None], k_ref.dtype)
+            v = quantize_with(v, vs[:, None], v_ref.dtype)
+            plgpu.store(scale_refs[0].at[row[:, 0]], ks, mask=write)
+            plgpu.store(scale_refs[1].at[row[:, 0]], vs, mask=write)
         plgpu.store(k_ref.at[row, c[None, :]], k1, mask=m)
         plgpu.store(k_ref.at[row, (half + c)[None, :]], k2, mask=m)
-        cd = jnp.arange(d, dtype=jnp.int32)
-        v = qkv_ref[tok_ld[:, None], ((h + cfg.num_kv_heads + kvh) * d + cd)[None, :]]
         plgpu.store(v_ref.at[row, cd[None, :]], v, mask=m)
 
 
 def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
-                  num_heads, num_kv_heads, block_tokens):
+                  num_heads, num_kv_heads, block_tokens, k_scale=None, v_scale=None):
     """Raises ValueError naming the argument whose shape or dtype breaks the contract."""
     check_caches(k_cache, v_cache, layer)
+    check_fp8_cache(k_cache, v_cache, k_scale, v_scale)
     num_layers, kh, n, b, d = k_cache.shape
     if kh != num_kv_heads:
         raise ValueError(f"the caches have {kh} kv heads, num_kv_heads is {num_kv_heads}")
@@ -120,7 +140,10 @@ def _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_fre
     if qkv.ndim != 2 or qkv.shape[1] != width or qkv.shape[0] < 1:
         raise ValueError(f"qkv must be [T >= 1, (H + 2K) * D = {width}], got {qkv.shape}")
     t = qkv.shape[0]
-    check_float_dtypes(qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+    if k_scale is None:
+        check_float_dtypes(qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+    else:
+        check_float_dtypes(qkv=qkv)
     for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
         if x.shape != (t,) or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer [{t}], got {x.dtype}{list(x.shape)}")
@@ -147,36 +170,42 @@ def rope_write_kv(
     num_kv_heads: int,
     interpret: bool = False,
     block_tokens: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+) -> tuple[jax.Array, ...]:
     """Returns (q [T, H, D] rotated, k_cache, v_cache) with token t's rotated k and its v
-    at `slot_mapping[t]` of layer `layer` (null-block slots < B not written).
+    at `slot_mapping[t]` of layer `layer` (null-block slots < B not written); for an
+    fp8 cache (q, k_cache, v_cache, k_scale, v_scale), the rows quantised on write.
 
     Equals `rope_write_kv_reference`; in place when the caches are donated to the
     enclosing jit. `block_tokens` (a power of 2) defaults to ~2K elements per head tile.
     """
     _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
-                  num_heads, num_kv_heads, block_tokens)
+                  num_heads, num_kv_heads, block_tokens, k_scale, v_scale)
     t = qkv.shape[0]
     num_layers, kh, n, b, d = k_cache.shape
     bt = block_tokens or min(max(1, _TILE_ELEMENTS // d), next_pow2(t))
     cfg = _Config(num_tokens=t, num_heads=num_heads, num_kv_heads=kh, slots=n * b,
-                  block_size=b, head_dim=d, block_tokens=bt)
+                  block_size=b, head_dim=d, block_tokens=bt, fp8=k_scale is not None)
     rows = num_layers * kh * n * b
-    q, k_flat, v_flat = pl.pallas_call(
+    caches = [k_cache.reshape(rows, d), v_cache.reshape(rows, d)]
+    if cfg.fp8:
+        caches += [k_scale.reshape(rows), v_scale.reshape(rows)]
+    out = pl.pallas_call(
         functools.partial(_rope_write_kernel, cfg=cfg),
         grid=(pl.cdiv(t, bt), num_heads + kh),
-        out_shape=[jax.ShapeDtypeStruct((t, num_heads * d), qkv.dtype),
-                   jax.ShapeDtypeStruct((rows, d), k_cache.dtype),
-                   jax.ShapeDtypeStruct((rows, d), v_cache.dtype)],
-        input_output_aliases={5: 1, 6: 2},
+        out_shape=[jax.ShapeDtypeStruct((t, num_heads * d), qkv.dtype)]
+        + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches],
+        input_output_aliases={5 + i: 1 + i for i in range(len(caches))},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=max(1, min(4, bt * d // 512))),
-        name=f"rope_write_kv_t{bt}",
+        name=f"rope_write_kv_t{bt}" + ("_fp8" if cfg.fp8 else ""),
     )(jnp.asarray(layer, jnp.int32).reshape(1), positions.astype(jnp.int32),
-      slot_mapping.astype(jnp.int32), inv_freq, qkv, k_cache.reshape(rows, d),
-      v_cache.reshape(rows, d))
-    return (q.reshape(t, num_heads, d), k_flat.reshape(k_cache.shape),
-            v_flat.reshape(v_cache.shape))
+      slot_mapping.astype(jnp.int32), inv_freq, qkv, *caches)
+    shapes = (k_cache.shape, v_cache.shape) + ((k_scale.shape, v_scale.shape) if cfg.fp8
+                                               else ())
+    return (out[0].reshape(t, num_heads, d),
+            *(x.reshape(shape) for x, shape in zip(out[1:], shapes, strict=True)))
 
 
 def rope_write_kv_reference(
@@ -190,17 +219,18 @@ def rope_write_kv_reference(
     *,
     num_heads: int,
     num_kv_heads: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
+    v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+) -> tuple[jax.Array, ...]:
     """The same unfused: `models.llama.apply_rope` on q and k, then `kv_cache.write_kv`."""
     from models.llama import apply_rope  # (here: models may come to import this module)
 
     _check_inputs(qkv, positions, slot_mapping, k_cache, v_cache, layer, inv_freq,
-                  num_heads, num_kv_heads, None)
+                  num_heads, num_kv_heads, None, k_scale, v_scale)
     t, d = qkv.shape[0], k_cache.shape[-1]
     hd, kd = num_heads * d, num_kv_heads * d
     q = qkv[:, :hd].reshape(t, num_heads, d)
     k = qkv[:, hd : hd + kd].reshape(t, num_kv_heads, d)
     v = qkv[:, hd + kd :].reshape(t, num_kv_heads, d)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
-    return q, k_cache, v_cache
+    return (q, *write_kv(k_cache, v_cache, layer, k, v, slot_mapping, k_scale, v_scale))

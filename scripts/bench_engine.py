@@ -22,6 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
 from models.loader import model_config  # noqa: E402
 
 
@@ -131,7 +132,8 @@ def run_tpot(llm: LLM, prompt: list[int], prefix_len: int, output_len: int, reps
 
 def workload_parser(description: str, prompts: bool = True) -> argparse.ArgumentParser:
     """The engine benchmarks' and probes' common flags: the model and its weights, the
-    shared-prefix workload (`prompts`: also how many requests) and the JSON path."""
+    shared-prefix workload (`prompts`: also how many requests), the JSON path and the fp8
+    modes (--kv-cache-dtype, --quantization)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--load-format", default="dummy")
@@ -140,6 +142,7 @@ def workload_parser(description: str, prompts: bool = True) -> argparse.Argument
     ap.add_argument("--prefix-len", type=int, default=596)
     ap.add_argument("--unique-len", type=int, default=104)
     ap.add_argument("--output-json", default=None)
+    add_fp8_flags(ap)
     return ap
 
 
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
                      "prefix_len": args.prefix_len, "unique_len": args.unique_len,
                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                     "data_parallel_size": args.data_parallel_size}
+                     "data_parallel_size": args.data_parallel_size, **fp8_kwargs(args)}
     fixed = {"auto": None, "on": True, "off": False}[args.fixed_inputs]
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
                   enable_cascade=cascade, fixed_inputs=fixed,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
-                  data_parallel_size=args.data_parallel_size, **engine_kw)
+                  data_parallel_size=args.data_parallel_size, **engine_kw,
+                  **fp8_kwargs(args))
         first = replicas(llm)[0]
         results[f"fixed_inputs_{tag}"] = first.runner.fixed_inputs is not None
         num_blocks = first.scheduler.block_manager.num_blocks
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(r: dict, args) -> None:
     print(f"\n{args.model} dummy weights, {args.num_prompts} x ({args.prefix_len} shared + "
-          f"{args.unique_len}) tokens")
+          f"{args.unique_len}) tokens, kv cache {args.kv_cache_dtype}, weights "
+          f"{args.quantization or 'model dtype'}")
     for out_len in [] if args.ttft_only else args.output_len:
         on = r.get(f"throughput_on_out{out_len}")
         off = r.get(f"throughput_off_out{out_len}")

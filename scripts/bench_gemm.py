@@ -8,7 +8,9 @@ against XLA's result, and reports device time per matmul (kernel busy time from 
 profiler trace, kernel_timing.device_times) for XLA and the best tiling, as TB/s of
 weights read and against the 4.3 TB/s copy floor. Each timed call multiplies by
 `copies` distinct weights (>= 256 MB in all), so the L2 cache cannot hold them between
-calls, as in the model where every layer has its own.
+calls, as in the model where every layer has its own. `--quantization fp8` also times
+the fp8 path of the same matmuls (`models.fp8_linear`: per-channel fp8 weights, per-token
+fp8 activations, XLA's fp8 dot), with its error against the bf16 result.
 
     PYTHONPATH=$PWD python scripts/bench_gemm.py --output-json out/gemm.json
 """
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.fp8_linear import quantize_weight
 from models.llama import dense_linear
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
@@ -83,6 +86,11 @@ def bench_case(name, m, shape, args, interpret):
            "xla_us": time_matmul(xla, x, ws, interpret, device=True) * 1e6,
            "xla_wall_us": time_matmul(xla, x, ws, interpret) * 1e6,
            "xla_err": rel_err(xla(x, ws[:1])[0], ref), "tried": []}
+    if args.quantization == "fp8":
+        qws = [quantize_weight(w) for w in ws]
+        fp8 = jax.jit(lambda x, qws: [dense_linear(x, w, act) for w in qws])
+        row["fp8_us"] = time_matmul(fp8, x, qws, interpret, device=True) * 1e6
+        row["fp8_err"] = rel_err(fp8(x, qws[:1])[0], ref)
 
     def ours(t):
         return jax.jit(lambda x, ws: [skinny_matmul(x, w, act=act, tiling=t,
@@ -123,8 +131,10 @@ def line(row):
         return f"{us:7.1f} us {tbs / (us * 1e-6):5.2f} TB/s" if us else "   (none)"
     best = row.get("best", {}).get("tiling", {})
     best = ", ".join(f"{k} {v}" for k, v in best.items())
+    fp8 = (f"  fp8 {row['fp8_us']:7.1f} us ({row['xla_us'] / row['fp8_us']:.2f}x, err "
+           f"{row['fp8_err']:.3f})" if "fp8_us" in row else "")
     return (f"{row['name']:8s} M {row['m']:4d}  floor {row['floor_us']:6.1f} us  "
-            f"xla {cell(row['xla_us'])}  ours {cell(row.get('best_us'))}  ({best})")
+            f"xla {cell(row['xla_us'])}  ours {cell(row.get('best_us'))}  ({best})" + fp8)
 
 
 def main(argv=None):
@@ -134,6 +144,8 @@ def main(argv=None):
     ap.add_argument("--xla-only", action="store_true", help="time XLA's matmuls only")
     ap.add_argument("--smoke", action="store_true", help="small shapes, interpret mode")
     ap.add_argument("--output-json")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="also time the fp8-weight matmuls (models.fp8_linear)")
     args = ap.parse_args(argv)
     interpret = args.smoke or jax.default_backend() == "cpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES

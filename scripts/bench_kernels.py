@@ -4,8 +4,10 @@ Sections: decode KV bandwidth vs JAX's own `pallas.ops.gpu.paged_attention` (bot
 over their knobs in this run), prefill TFLOP/s vs cuDNN on the dense equivalent,
 prefix-cached vs uncached prefill time, write_kv time and in-place check (bench_write_kv),
 the device copy ceiling. The decode and prefill sections also time their best config with
-ALiBi slopes against the same config without (`alibi_cost`: the bias's cost). Every timed
-shape is checked against `paged_attention_reference` first. Prints one table last. Times
+ALiBi slopes against the same config without (`alibi_cost`: the bias's cost). Section
+`fp8` times decode on the same batch with a bf16 cache and with an fp8 one
+(`--kv-cache-dtype`, per-row scales), each tuned over a few knobs: tokens/s side by side.
+Every timed shape is checked against `paged_attention_reference` first. Prints one table last. Times
 are device times per call (`kernel_timing.measure`: the op's kernels' busy time in a
 profiler trace, as inside a jitted engine step), for ours and the peers alike; the JSON
 also keeps the wall time of back-to-back calls.
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from models.alibi import alibi_slopes
+from pallas_kernels.fp8 import FP8_NAMES, quantize_rows
 from pallas_kernels.paged_attention import paged_attention_reference
 from scripts.bench_write_kv import bench_write_kv
 from scripts.kernel_timing import (
@@ -46,11 +49,13 @@ def tune_ours(case: dict, configs: list[dict], interpret: bool) -> tuple[dict, l
     scale = case["q"].shape[-1] ** -0.5
     ref = paged_attention_reference(**case, scale=scale)
     rows = []
+    names = list(case)  # (positional for `measure`; the fp8 scales are keyword-only)
     for cfg in configs:
-        fn = jax.jit(attention_fn(scale, interpret, cfg))
+        op = attention_fn(scale, interpret, cfg)
+        fn = jax.jit(lambda *a, op=op: op(**dict(zip(names, a, strict=True))))
         nan = {"seconds": float("nan")}
         try:
-            err = rel_err(fn(**case), ref)
+            err = rel_err(fn(*case.values()), ref)
             m = measure(fn, *case.values()) if err < 2e-2 else nan
         except Exception as e:  # a config Triton cannot compile (e.g. shared memory)
             print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -144,6 +149,43 @@ def bench_decode(smoke: bool, results: dict) -> None:
                 "alibi": alibi,
             })
             del case
+
+
+def fp8_case(case: dict, fmt: str) -> dict:
+    """`case` with its caches quantised to fp8 format `fmt` (per-row scales)."""
+    k8, ks = quantize_rows(case["k_cache"], FP8_NAMES[fmt])
+    v8, vs = quantize_rows(case["v_cache"], FP8_NAMES[fmt])
+    return dict(case, k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs)
+
+
+def bench_fp8_decode(smoke: bool, results: dict, fmt: str = "fp8") -> None:
+    """Decode tokens/s with a bf16 and an fp8 cache on the same batch (Llama-2-7B and
+    Llama-3-8B heads, batch 64/256, context 2048), each tuned over a few split/warp knobs."""
+    batches, ctx = ((4, 16), 64) if smoke else ((64, 256), 2048)
+    configs = decode_configs(True) if smoke else [
+        {"max_q_len": 1, **c} for c in ({}, {"kv_splits": 2}, {"kv_splits": 4},
+                                        {"num_warps": 2}, {"block_kv": 128, "num_stages": 2})]
+    results["fp8_decode"] = []
+    for name in ("llama2-7b", "llama3-8b"):
+        heads = HEADS[name]
+        for batch in batches:
+            hh = ((4, 4) if heads[0] == heads[1] else (4, 1)) if smoke else heads
+            d = 32 if smoke else 128
+            case = make_case(batch, heads=hh, seqs=[(1, ctx)] * batch, head_dim=d)
+            print(f"fp8 decode {name} batch {batch}: bf16", flush=True)
+            bf16, _ = tune_ours(case, configs, smoke)
+            fp8 = fp8_case(case, fmt)
+            del case
+            print(f"fp8 decode {name} batch {batch}: {fmt}", flush=True)
+            best, _ = tune_ours(fp8, configs, smoke)
+            del fp8
+            results["fp8_decode"].append({
+                "model": name, "batch": batch, "ctx": ctx, "format": fmt,
+                "bf16": bf16, "fp8": best,
+                "bf16_tok_s": batch / bf16["seconds"], "fp8_tok_s": batch / best["seconds"],
+                "speedup": bf16["seconds"] / best["seconds"],
+                "bf16_kv_bytes": 2 * batch * ctx * hh[1] * d * 2,
+                "fp8_kv_bytes": 2 * batch * ctx * hh[1] * (d + 4)})
 
 
 def prefill_configs(smoke: bool) -> list[dict]:
@@ -251,6 +293,11 @@ def table(results: dict) -> str:
         lines.append(f"| write_kv {w['variant']} {w['tokens']} tok | {w['seconds'] * 1e6:.1f} us | "
                      f"aliased {w['alias_bytes']} of {w['cache_bytes']} B, "
                      f"{w['cache_copies_in_hlo']} cache copies | in place |")
+    for r in results.get("fp8_decode", []):
+        lines.append(f"| decode {r['model']} B{r['batch']} ctx{r['ctx']}, {r['format']} cache "
+                     f"| {r['fp8_tok_s']:.0f} tok/s per layer call "
+                     f"({r['fp8_kv_bytes'] / r['fp8']['seconds'] / 1e12:.2f} TB/s) | bf16 "
+                     f"{r['bf16_tok_s']:.0f} tok/s: {r['speedup']:.2f}x | >= 1.8x |")
     for label, r in alibi_rows(results):
         lines.append(f"| ALiBi cost, {label} | {r['overhead']:+.1%} "
                      f"({r['on_seconds'] * 1e3:.3f} vs {r['off_seconds'] * 1e3:.3f} ms) "
@@ -277,12 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
-    parser.add_argument("--sections", default="copy,write_kv,mixed,decode,prefill")
+    parser.add_argument("--sections", default="copy,write_kv,mixed,decode,prefill",
+                        help="comma-separated: copy, write_kv, mixed, decode, prefill, fp8")
+    parser.add_argument("--kv-cache-dtype", default="fp8", choices=sorted(FP8_NAMES),
+                        help="the fp8 format of section fp8")
     args = parser.parse_args(argv)
     results = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                "date": time.strftime("%Y-%m-%d"), "decode": [], "errors": []}
     sections = {"copy": bench_copy, "write_kv": bench_write_kv, "decode": bench_decode,
-                "prefill": bench_prefill, "mixed": check_mixed}
+                "prefill": bench_prefill, "mixed": check_mixed,
+                "fp8": functools.partial(bench_fp8_decode, fmt=args.kv_cache_dtype)}
     for name in args.sections.split(","):
         guarded(results, name, functools.partial(sections[name], args.smoke, results),
                 args.output_json)

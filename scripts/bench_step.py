@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
 from scripts.memcheck import (  # noqa: E402
     compile_step,
     step_memory_report,
@@ -95,10 +96,11 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=128,
                     help="of each context, the tokens counted as generated (penalties)")
     ap.add_argument("--output-json", default=None)
+    add_fp8_flags(ap)
     args = ap.parse_args()
 
     model = load(args.model, dtype="bfloat16", load_format="dummy")
-    llm = LLM(model, gpu_memory_utilization=0.85)
+    llm = LLM(model, gpu_memory_utilization=0.85, **fp8_kwargs(args))
     runner = llm.engine.runner
     cfg = model.config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))

@@ -21,6 +21,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
 from scripts.workloads import (  # noqa: E402
     load_requests,
     load_tokenizer,
@@ -71,6 +72,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=True)
     ap.add_argument("--output-json", default=None)
+    add_fp8_flags(ap)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -116,7 +118,7 @@ def make_llm(model, args: argparse.Namespace, policy: str, caching: bool) -> LLM
                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               attention_backend=args.attention_backend, seed=args.seed)
+               attention_backend=args.attention_backend, seed=args.seed, **fp8_kwargs(args))
 
 
 def make_seq(llm: LLM, req):

@@ -21,6 +21,11 @@
 #             penalties, min_p, logit bias and 5 logprobs (the extra variant)  ~3 min
 #   engine_sampling  bench_engine.py --compare-sampling: the same, whole engine ~4 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
+#   fp8_kernels  bench_kernels.py --sections fp8 (decode, bf16 vs fp8 cache) and
+#             bench_gemm.py --xla-only --quantization fp8                      ~3 min
+#   fp8_engine   bench_engine.py --skip-off: bf16, fp8 KV, fp8 weights, both  ~10 min
+#   fp8_sharegpt bench_throughput.py on ShareGPT, Llama-3-8B, bf16 vs both fp8
+#             (needs carry ["bench_data"])                                     ~6 min
 #   b c d e   docs/RESULTS.md rows (b) policies, (c) trie vs flat, (d) chat latency,
 #             (e) ShareGPT (needs carry ["bench_data"])
 #
@@ -112,6 +117,27 @@ job_hf() {
   run hf 150 python3 scripts/bench_hf.py --model llama-2-7b --num-prompts 64 --batch-size 64 \
     --output-len 128 --output-json "$OUT/hf.json"
 }
+job_fp8_kernels() {
+  run fp8_kernels 200 python3 scripts/bench_kernels.py --sections fp8 \
+    --output-json "$OUT/fp8_kernels.json"
+  run fp8_gemm 200 python3 scripts/bench_gemm.py --xla-only --quantization fp8 \
+    --rows 1 128 256 4096 --output-json "$OUT/fp8_gemm.json"
+}
+job_fp8_engine() {  # same process family, one mode per process; KV capacity in the JSON
+  local a=(python3 scripts/bench_engine.py "${M[@]}" --output-len 128 --skip-off --ttft-reps 9)
+  run fp8_engine_bf16 230 "${a[@]}" --output-json "$OUT/fp8_engine_bf16.json"
+  run fp8_engine_kv 230 "${a[@]}" --kv-cache-dtype fp8 --output-json "$OUT/fp8_engine_kv.json"
+  run fp8_engine_w 230 "${a[@]}" --quantization fp8 --output-json "$OUT/fp8_engine_w.json"
+  run fp8_engine_both 230 "${a[@]}" --kv-cache-dtype fp8 --quantization fp8 \
+    --output-json "$OUT/fp8_engine_both.json"
+}
+job_fp8_sharegpt() {
+  local e=(python3 scripts/bench_throughput.py --model llama-3-8b --load-format dummy
+           --dataset bench_data/sharegpt_smollm2_1000.json --num-prompts 1000)
+  run fp8_sharegpt_bf16 300 "${e[@]}" --output-json "$OUT/fp8_sharegpt_bf16.json"
+  run fp8_sharegpt_both 300 "${e[@]}" --kv-cache-dtype fp8 --quantization fp8 \
+    --output-json "$OUT/fp8_sharegpt_both.json"
+}
 job_b() {
   run b_policies 300 python3 scripts/bench_throughput.py "${M[@]}" --num-prompts 256 \
     --num-prefixes 32 --input-len 1088 --prefix-len 1024 --output-len 64 --num-kv-blocks 1024 \
@@ -137,7 +163,7 @@ job_e() {
     --output-json "$OUT/e_sharegpt.json"
 }
 
-if [ $# -eq 0 ]; then sed -n '2,27p' "$0"; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,35p' "$0"; exit 2; fi
 for job in "$@"; do
   if ! declare -F "job_$job" > /dev/null; then echo "unknown job: $job" >&2; exit 2; fi
 done

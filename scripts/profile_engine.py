@@ -25,6 +25,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import jax  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
 from scripts.bench_engine import make_prompts  # noqa: E402
 from scripts.bench_throughput import write_json  # noqa: E402
 from scripts.device_trace import (  # noqa: E402
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keep-traces", default=None, help="folder for the Perfetto files")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--dtype", default="auto")
+    add_fp8_flags(ap)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--prefill-steps", type=int, default=5,
                     help="traced first steps of the throughput workload (its prefill)")
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--only {args.only!r}: parts are decode, prefill, single, ttft")
 
     model = load(args.model, dtype=args.dtype, load_format="dummy")
-    llm = LLM(model=model, num_kv_blocks=args.num_kv_blocks)
+    llm = LLM(model=model, num_kv_blocks=args.num_kv_blocks, **fp8_kwargs(args))
     prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len,
                           model.config.vocab_size, 0)
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,

@@ -21,8 +21,9 @@ import jprefix
 from jprefix import LLM, SamplingParams
 from models.alibi import alibi_slopes
 from models.config import PRESETS, ModelConfig, from_hf_config
-from models.llama import forward, init_params
+from models.llama import forward
 from models.reference import causal_attention, dense_forward, dense_generate
+from models.weights import init_params
 
 BS = 8
 TINY = {"alibi": "tiny-baichuan2-alibi", "rope": "tiny-baichuan2-rope"}

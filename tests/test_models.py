@@ -11,7 +11,7 @@ import pytest
 
 from models.config import PRESETS, ModelConfig, from_hf_config
 from models.layout import fuse_projections, param_partition_specs, unstack_layers
-from models.llama import LAYOUTS, compute_logits, forward, init_params, rope_inv_freq
+from models.llama import LAYOUTS, compute_logits, forward, rope_inv_freq
 from models.reference import (
     causal_attention,
     dense_cache_attn,
@@ -19,6 +19,7 @@ from models.reference import (
     dense_generate,
     init_dense_cache,
 )
+from models.weights import init_params
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-smollm2"]
 

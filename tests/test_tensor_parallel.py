@@ -112,3 +112,41 @@ def test_two_device_tensor_parallel_matches_one_device(backend):
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
 def test_two_device_tensor_parallel_alibi_matches_one_device_and_dense(backend):
     _run_two_devices(ALIBI_SCRIPT, backend)
+
+
+# fp8 KV cache over 2 devices: the scales are split by kv head with the caches, greedy
+# tokens equal one device's; fp8 weights are single-device and say so
+FP8_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    import jprefix
+    from jprefix import LLM, SamplingParams
+    assert len(jax.devices()) == 2, jax.devices()
+    backend = sys.argv[1]
+    tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
+    rng = np.random.default_rng(1)
+    shared = rng.integers(3, 200, 24).tolist()
+    prompts = [shared + rng.integers(3, 200, n).tolist() for n in (3, 7, 12)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(tiny, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
+                  attention_backend=backend, kv_cache_dtype="fp8", cascade_min_group=2,
+                  cascade_min_blocks=1)
+        out[tp] = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
+                                                     use_tqdm=False)]
+    cache = llm.engine.runner.kv_cache
+    assert len(cache) == 4 and all(len(x.sharding.device_set) == 2 for x in cache)
+    assert cache[2].addressable_shards[0].data.shape[1] == 1  # one of two kv heads each
+    assert out[1] == out[2], out
+    try:
+        LLM(tiny, tensor_parallel_size=2, quantization="fp8", num_kv_blocks=16)
+    except ValueError as e:
+        assert "one device" in str(e), e
+    else:
+        raise AssertionError("fp8 weights with tensor parallelism were accepted")
+""")
+
+
+def test_two_device_tensor_parallel_fp8_kv_matches_one_device():
+    _run_two_devices(FP8_SCRIPT, "xla")

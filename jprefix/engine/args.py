@@ -11,6 +11,10 @@ from typing import Any
 from jprefix.core.routing import parse_routing_policy
 
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+# the KV cache's number format: "auto" = the model's dtype; "fp8" = "fp8_e4m3" (as vLLM)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# weight quantisation: None (the model's dtype) or "fp8" (e4m3, quantised at load)
+QUANTIZATIONS = (None, "fp8")
 
 
 def resolve_dtype(dtype: Any, model: Any = None) -> Any:
@@ -54,6 +58,8 @@ class EngineArgs:
 
     dtype: str = "auto"
     load_format: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8: per-row scales (pallas_kernels/fp8)
+    quantization: str | None = None  # QUANTIZATIONS; "fp8": the linear layers' weights
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
@@ -91,6 +97,12 @@ class EngineArgs:
     distributed_timeout_s: int = 60  # for every process to join; for a silent process
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of "
+                             f"{', '.join(map(str, QUANTIZATIONS))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -51,6 +51,7 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
         fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,
         multi_process=multi,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
     )
     if multi:  # processes other than 0 follow process 0's steps here, then exit
         multihost.start(runner)

@@ -26,6 +26,22 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype and --quantization (vLLM's names), for the CLI and the benchmark
+    scripts; `fp8_kwargs` turns them into LLM keyword arguments."""
+    from jprefix.engine.args import KV_CACHE_DTYPES
+
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the KV cache's format: auto = the model dtype; fp8 = fp8_e4m3 "
+                             "(per-row scales)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: the linear layers' weights quantised at load time")
+
+
+def fp8_kwargs(args: argparse.Namespace) -> dict:
+    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jprefix", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="explicit: share the system prompt's whole blocks (prefix_pos); auto: every full "
         "prompt block; off: no prefix cache",
     )
+    add_fp8_flags(gen)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
     srv.add_argument("--served-model-name", default=None,
@@ -103,7 +120,7 @@ def run_generate(args) -> int:
     system, users = _read_inputs(args)
     llm = LLM(
         args.model, dtype=args.dtype, block_size=args.block_size,
-        enable_prefix_caching=args.prefix_mode != "off",
+        enable_prefix_caching=args.prefix_mode != "off", **fp8_kwargs(args),
     )
     prompts = [_render(llm.tokenizer, system, u) for u in users]
     system_ids = _render(llm.tokenizer, system, None)

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from jprefix.engine.args import EngineArgs
+from jprefix.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS, EngineArgs
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 HELP = {
@@ -40,6 +40,12 @@ HELP = {
     "process_id": "multi-host: this process's index; 0 serves HTTP and schedules",
     "distributed_timeout_s": "multi-host: seconds for every process to join, and before a "
                              "silent process stops the run",
+    "data_parallel_size": "engine replicas, each on its own --tensor-parallel-size devices",
+    "routing_policy": "how requests pick a replica: prefix (cache affinity, least loaded "
+                      "otherwise; 'prefix:balance_rel=0.25,balance_abs=2048') or round_robin",
+    "kv_cache_dtype": "the KV cache's format: auto = the model dtype; fp8 = fp8_e4m3 "
+                      "(per-row scales), fp8_e5m2",
+    "quantization": "fp8: the linear layers' weights quantised to fp8 at load time",
 }
 _TYPES: dict[str, Any] = {"int": int, "int | None": int, "float": float, "float | None": float,
                           "str": str, "str | None": str}
@@ -58,6 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             raise TypeError(f"EngineArgs.{f.name}: no command-line type for {kind!r}")
         if f.name == "dtype":
             kwargs["choices"] = DTYPES
+        elif f.name == "kv_cache_dtype":
+            kwargs["choices"] = KV_CACHE_DTYPES
+        elif f.name == "quantization":
+            kwargs["choices"] = [q for q in QUANTIZATIONS if q is not None]
         parser.add_argument(flag, **kwargs)
 
 

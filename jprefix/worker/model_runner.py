@@ -20,6 +20,7 @@ from jprefix.core.cascade import CascadePlan
 from jprefix.worker import multihost, xla_flags
 from jprefix.worker.fixed_inputs import FixedInputs
 from jprefix.worker.input_batch import StepPacker
+from jprefix.worker.kv_cache import auto_num_blocks, check_fp8_device, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import (
     REPLICATED,
@@ -31,7 +32,7 @@ from jprefix.worker.parallel import (
 from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
 from jprefix.worker.structured import place_bitmask
 from models.config import ModelConfig
-from models.layout import fuse_projections, unstack_layers
+from models.layout import fuse_projections, quantize_linears, unstack_layers
 
 
 class StepHandle(NamedTuple):
@@ -46,29 +47,9 @@ class StepHandle(NamedTuple):
     prompt_positions: list[tuple[Any, int]] | None = None
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
-    """Bytes of one physical block across all layers, K and V."""
-    itemsize = jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
-
-
-def auto_num_blocks(
-    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int,
-    num_shards: int = 1, device: Any = None,
-) -> int:
-    """KV blocks that fit in `memory_fraction` of the device memory free now on `device`
-    (default: this process's first; `cpu_blocks` where device memory cannot be measured);
-    each of `num_shards` devices holds 1/num_shards of every block."""
-    stats = (device or jax.local_devices()[0]).memory_stats() or {}
-    if "bytes_limit" not in stats:  # CPU: no device memory to size from
-        return cpu_blocks
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    per_device = kv_block_bytes(cfg, block_size, dtype) // num_shards
-    return max(2, int(free * memory_fraction) // per_device)
-
-
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
-                   unroll_layers: bool | None = None, donate: bool = False) -> Any:
+                   unroll_layers: bool | None = None, donate: bool = False,
+                   quantization: str | None = None) -> Any:
     """The weights in the layout the step runs (the one place that decides it): sharded
     over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
     the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
@@ -76,7 +57,8 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
     `donate`: the caller hands the weights over, so the input buffers the result does
     not reuse are freed at once (one copy of the weights on the device, not two, before
-    the KV cache is sized)."""
+    the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
+    fp8 (one device)."""
     if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
         unroll_layers = jax.default_backend() == "gpu"
     given = params
@@ -90,6 +72,13 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
             params = unstack_layers(params, fuse=True, shards=1 if mesh is None else mesh.size)
         elif mesh is None:
             params = fuse_projections(params)
+    if quantization == "fp8":
+        if mesh is not None:
+            raise ValueError("quantization='fp8' runs on one device (tensor_parallel_size 1)")
+        check_fp8_device("quantization='fp8'")
+        params = quantize_linears(params)
+    elif quantization is not None:
+        raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
     if donate and params is not given:
         kept = {id(x) for x in jax.tree.leaves(params)}
         for x in jax.tree.leaves(given):
@@ -107,7 +96,7 @@ class ModelRunner:
         cfg: ModelConfig,
         num_blocks: int | None,
         block_size: int,
-        kv_dtype: Any,
+        model_dtype: Any,
         backend: str | None = None,
         buckets: BucketConfig | None = None,
         unroll_layers: bool | None = None,
@@ -119,6 +108,8 @@ class ModelRunner:
         donate_params: bool = False,
         device: Any = None,
         multi_process: bool = False,
+        kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -129,7 +120,10 @@ class ModelRunner:
         None: the default device), the weights copied there if they are elsewhere.
         `multi_process` (a run over several processes, `worker.multihost`; `mesh` spans
         all their devices): process 0 broadcasts each step's inputs to the others before
-        running it (`channel`); the others run `multihost.follow(runner)`."""
+        running it (`channel`); the others run `multihost.follow(runner)`.
+        `kv_cache_dtype` ("auto": `model_dtype`, else an fp8 format) picks the cache's
+        format (`worker.kv_cache`); the block count from memory counts its bytes.
+        `quantization`: see `prepare_params`."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -145,23 +139,24 @@ class ModelRunner:
                     if id(x) not in kept:
                         x.delete()
             params = moved
-        self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params)
+        self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params,
+                                     quantization)
         cfg = cfg if mesh is None else tp_config(cfg, mesh.size)  # the step's kv heads
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
         self.buckets = buckets or BucketConfig()
+        self.kv_dtype = kv_dtype(kv_cache_dtype, model_dtype)
         if num_blocks is None:
-            num_blocks = auto_num_blocks(cfg, block_size, kv_dtype, memory_fraction,
+            num_blocks = auto_num_blocks(cfg, block_size, self.kv_dtype, memory_fraction,
                                          cpu_num_blocks, 1 if mesh is None else mesh.size,
                                          device if mesh is None else
                                          mesh.devices.flat[0] if not multi_process else None)
             if multi_process:  # one global cache: the size every process has room for
                 num_blocks = multihost.smallest(num_blocks)
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
-                        out_shardings=placed if mesh is None else kv_sharding(mesh))
-        self._kv_cache: KVCache = (zeros(), zeros())  # created in place, sharded if tp
+        self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
+            cfg, num_blocks, block_size, self.kv_dtype,
+            placed if mesh is None else kv_sharding(mesh))
         self.packer = StepPacker(block_size, self.buckets)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.

@@ -124,15 +124,16 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def per_shard(fn, mesh: Mesh | None):
-    """Runs `fn(q, k, v, k_cache, v_cache, alibi_slopes, layer, batch) -> (out, k_cache,
-    v_cache)` on each device's heads (`alibi_slopes` [H] or None: each device gets its
+    """Runs `fn(q, k, v, cache, alibi_slopes, layer, batch) -> (out, cache)` on each
+    device's heads (`cache` a tuple of [L, K, ...] arrays, the caches and any fp8 scales,
+    all split on their kv-head axis; `alibi_slopes` [H] or None: each device gets its
     query heads' slopes); unchanged without a mesh."""
     if mesh is None:
         return fn
     return jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(HEADS, HEADS, HEADS, HEADS, HEADS, HEAD_VALUES, REPLICATED, REPLICATED),
-        out_specs=(HEADS, HEADS, HEADS),
+        in_specs=(HEADS, HEADS, HEADS, HEADS, HEAD_VALUES, REPLICATED, REPLICATED),
+        out_specs=(HEADS, HEADS),
         check_vma=False,
     )
 
@@ -154,16 +155,16 @@ def shard_columns(linear, mesh: Mesh):
 
 
 def per_shard_qkv(fn, mesh: Mesh | None):
-    """Runs `fn(qkv, positions, inv_freq, k_cache, v_cache, layer, batch) -> (out, k_cache,
-    v_cache)` on each device's heads: qkv [T, N] split by columns (each device's block is
-    its [q | k | v] heads, `Params.shards`), the caches by kv heads, out [T, H, D] by
-    query heads; unchanged without a mesh."""
+    """Runs `fn(qkv, positions, inv_freq, cache, layer, batch) -> (out, cache)` on each
+    device's heads: qkv [T, N] split by columns (each device's block is its [q | k | v]
+    heads, `Params.shards`), `cache` (a tuple: the caches and any fp8 scales) by kv heads,
+    out [T, H, D] by query heads; unchanged without a mesh."""
     if mesh is None:
         return fn
     return jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(PartitionSpec(None, AXIS), REPLICATED, REPLICATED, HEADS, HEADS,
+        in_specs=(PartitionSpec(None, AXIS), REPLICATED, REPLICATED, HEADS,
                   REPLICATED, REPLICATED),
-        out_specs=(HEADS, HEADS, HEADS),
+        out_specs=(HEADS, HEADS),
         check_vma=False,
     )

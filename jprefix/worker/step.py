@@ -11,7 +11,9 @@ rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE
 of the static config (sharded by query heads under tensor parallelism). Under tensor
 parallelism these kernels, attention and the column-parallel matmuls run per device
 under shard_map (`jprefix.worker.parallel`); the row-parallel matmuls and their
-all-reduces stay XLA's.
+all-reduces stay XLA's. The cache is a tuple (`worker.kv_cache`): (k, v), or for an fp8
+cache (k, v, k_scale, v_scale), whose scales every write and attention op takes
+(`scale_kwargs`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from jax.sharding import Mesh, NamedSharding
 from jprefix.core.sampling_params import MAX_LOGPROBS
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
+from jprefix.worker.kv_cache import KVCache, scale_kwargs
 from jprefix.worker.logits_processing import process_logits, token_logprobs
 from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
 from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
 from models.config import ModelConfig
+from models.fp8_linear import Fp8Weight
 from models.llama import (
     LinearFn,
     QKVAttnFn,
@@ -49,7 +53,6 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.rope_kv_write import rope_write_kv
 from pallas_kernels.skinny_matmul import SKINNY_MIN_PROGRAMS, skinny_matmul, skinny_tiling
 
-KVCache = tuple[jax.Array, jax.Array]  # k, v: [L, K, N, B, D]
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
 
@@ -58,24 +61,27 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _attention(backend: str, decode: bool, cascade: bool, q, k_cache, v_cache, layer, batch,
+def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch,
                scale, alibi_slopes=None):
+    """Paged attention of the step's rows against `cache` (a `KVCache` tuple)."""
+    k_cache, v_cache = cache[:2]
+    kw = dict(alibi_slopes=alibi_slopes, **scale_kwargs(cache))
     if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
             batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
             batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1, alibi_slopes=alibi_slopes,
+            use_reference=backend == "xla", max_q_len=1, **kw,
         )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
-        return paged_attention_reference(*args, scale=scale, alibi_slopes=alibi_slopes)
+        return paged_attention_reference(*args, scale=scale, **kw)
     interpret = backend == "pallas-interpret"
     if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
-                                     interpret=interpret, alibi_slopes=alibi_slopes)
+                                     interpret=interpret, **kw)
     return paged_attention(*args, scale=scale, interpret=interpret,
-                           max_q_len=1 if decode else None, alibi_slopes=alibi_slopes)
+                           max_q_len=1 if decode else None, **kw)
 
 
 def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
@@ -89,6 +95,8 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
 
     def linear(x, w, act=None):
+        if isinstance(w, Fp8Weight):  # fp8 weights: the model's fp8 matmul
+            return dense_linear(x, w, act)
         n = w.shape[1] // (2 if act == "silu_mul" else 1)
         x2 = x.reshape(-1, x.shape[-1])
         tiling = skinny_tiling(*x2.shape, n, act, min_programs=min_programs)
@@ -118,19 +126,18 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
         return None
     tp = 1 if mesh is None else mesh.size
 
-    def local(qkv, positions, inv_freq, k_cache, v_cache, layer, batch):
-        q, k_cache, v_cache = rope_write_kv(
-            qkv, positions, batch["slot_mapping"], k_cache, v_cache, layer, inv_freq,
+    def local(qkv, positions, inv_freq, cache, layer, batch):
+        q, *cache = rope_write_kv(
+            qkv, positions, batch["slot_mapping"], *cache[:2], layer, inv_freq,
             num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-            interpret=backend == "pallas-interpret")
-        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale)
-        return out, k_cache, v_cache
+            interpret=backend == "pallas-interpret", **scale_kwargs(cache))
+        out = _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale)
+        return out, tuple(cache)
 
     run = per_shard_qkv(local, mesh)
 
     def qkv_attn_fn(qkv, positions, inv_freq, cache, layer):
-        out, k_cache, v_cache = run(qkv, positions, inv_freq, *cache, layer, batch)
-        return out, (k_cache, v_cache)
+        return run(qkv, positions, inv_freq, tuple(cache), layer, batch)
 
     return qkv_attn_fn
 
@@ -173,17 +180,16 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     slopes = model_slopes(cfg)
     slopes = None if slopes is None else jnp.asarray(slopes)
 
-    def write_and_attend(q, k, v, k_cache, v_cache, alibi_slopes, layer, batch):
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch["slot_mapping"])
-        out = _attention(backend, decode, cascade, q, k_cache, v_cache, layer, batch, scale,
+    def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
+        cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
+        out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
                          alibi_slopes)
-        return out, k_cache, v_cache
+        return out, cache
 
     local = per_shard(write_and_attend, mesh)
 
     def attn_fn(q, k, v, cache, layer):
-        out, k_cache, v_cache = local(q, k, v, *cache, slopes, layer, batch)
-        return out, (k_cache, v_cache)
+        return local(q, k, v, tuple(cache), slopes, layer, batch)
 
     hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                _linear(backend, mesh),

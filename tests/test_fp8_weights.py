@@ -1,0 +1,137 @@
+"""fp8 weights (`quantization="fp8"`, models/fp8_linear.py): per-output-channel weight
+quantisation, the fp8 matmul against a float64 numpy emulation of the same scheme, the
+engine against the dense reference on the same quantised weights (prefix cache on/off,
+with and without the fp8 KV cache), and the refusal of already-quantised checkpoints."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jprefix
+from jprefix import LLM, SamplingParams
+from models.config import ModelConfig
+from models.fp8_linear import (
+    FP8,
+    FP8_MAX,
+    Fp8Weight,
+    dequantize_weight,
+    fp8_matmul,
+    quantize_activations,
+    quantize_weight,
+)
+from models.layout import quantize_linears
+from models.llama import dense_linear
+from models.reference import dense_generate
+
+BS = 8
+
+
+def test_weight_quantisation_per_output_channel():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 48, 40)) * np.exp(rng.uniform(-8, 8, (1, 1, 40)))
+    w[:, :, 3] = 0.0  # an all-zero column: scale 1, zeros back
+    q = quantize_weight(jnp.asarray(w, jnp.float32))
+    assert isinstance(q, Fp8Weight) and q.w8.dtype == FP8
+    assert q.w8.shape == (2, 40, 48) and q.scale.shape == (2, 40) and q.shape == w.shape
+    scale = np.asarray(q.scale)
+    assert np.all(np.isfinite(scale)) and np.all(scale > 0) and np.all(scale[:, 3] == 1.0)
+    back = np.asarray(dequantize_weight(q), np.float64)
+    amax = np.abs(w).max(axis=1, keepdims=True)
+    assert np.all(np.abs(back - w) <= 2.0**-4 * amax * 1.0001)
+    np.testing.assert_allclose(np.abs(np.asarray(q.w8, np.float32)).max(axis=2)[:, :3],
+                               FP8_MAX)
+
+
+def test_fp8_matmul_equals_the_scheme_in_float64():
+    """y = (x8 * x_scale) @ (w8 * w_scale)^T computed in float64 from the same fp8
+    operands: the matmul's only error beyond the quantisation is float32 accumulation."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((5, 64)) * [[1], [10], [1e-3], [0], [300]],
+                    jnp.float32)
+    w = quantize_weight(jnp.asarray(rng.standard_normal((64, 24)), jnp.float32))
+    got = np.asarray(fp8_matmul(x, w), np.float64)
+    x8, xs = quantize_activations(x)
+    want = (np.asarray(x8, np.float64) * np.asarray(xs, np.float64)) @ \
+        np.asarray(dequantize_weight(w), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert np.all(got[3] == 0.0)  # a zero row stays zero, no NaN
+    # and within the quantisation error of the float matmul
+    exact = np.asarray(x, np.float64) @ np.asarray(dequantize_weight(w), np.float64)
+    rel = np.linalg.norm(got - exact, axis=1) / np.maximum(np.linalg.norm(exact, axis=1), 1e-30)
+    assert np.all(rel[[0, 1, 2, 4]] < 0.06)
+
+
+def test_dense_linear_takes_fp8_weights_with_silu_mul():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 20)), jnp.float32)
+    q = quantize_weight(w)
+    got = dense_linear(x, q, "silu_mul")
+    assert got.shape == (3, 10)
+    x8, xs = quantize_activations(x)
+    y = (np.asarray(x8, np.float32) * np.asarray(xs)) @ np.asarray(dequantize_weight(q))
+    want = y[:, :10] / (1 + np.exp(-y[:, :10])) * y[:, 10:]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sharp(sharp_tiny):
+    return sharp_tiny
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_with_fp8_weights_equals_dense_reference_on_the_same_weights(
+        sharp, kv_cache_dtype):
+    """Greedy tokens with fp8 weights, prefix cache off and on, equal the dense reference
+    run on the quantised params (with an fp8 cache: the reference round-trips K/V)."""
+    from test_fp8_engine import dense_fp8_generate
+
+    from pallas_kernels.fp8 import FP8_NAMES
+
+    cfg = sharp.config
+    rng = np.random.default_rng(4)
+    shared = rng.integers(3, cfg.vocab_size, 2 * BS).tolist()
+    prompts = [shared + rng.integers(3, cfg.vocab_size, n).tolist() for n in (3, 7, 12)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    qparams = quantize_linears(sharp.params)
+    if kv_cache_dtype == "auto":
+        want = [dense_generate(qparams, cfg, p, 5, eos_token_ids=()) for p in prompts]
+    else:
+        want = [dense_fp8_generate(qparams, cfg, p, 5, FP8_NAMES["fp8"]) for p in prompts]
+    for caching in (False, True):
+        llm = LLM(sharp, block_size=BS, num_kv_blocks=64, attention_backend="xla",
+                  quantization="fp8", kv_cache_dtype=kv_cache_dtype,
+                  enable_prefix_caching=caching)
+        assert isinstance(llm.engine.runner.params.layers.wq, Fp8Weight)
+        assert not isinstance(sharp.params.layers.wq, Fp8Weight)  # the caller's untouched
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == want, caching
+
+
+def test_fp8_weights_with_the_fused_layout_and_pallas_interpret(sharp):
+    """unroll_layers (GPU's layout: fused Q/K/V and gate/up, rope_write_kv): the fused
+    columns quantise as their parts do."""
+    cfg = sharp.config
+    prompt = np.random.default_rng(5).integers(3, cfg.vocab_size, 19).tolist()
+    want = dense_generate(quantize_linears(sharp.params), cfg, prompt, 4, eos_token_ids=())
+    outs = jprefix.generate(sharp, [prompt], prefix_len=BS, quantization="fp8",
+                            sampling_params=SamplingParams(temperature=0, max_tokens=4,
+                                                           ignore_eos=True),
+                            num_kv_blocks=32, block_size=BS, unroll_layers=True,
+                            attention_backend="pallas-interpret")
+    assert outs[0].token_ids == want
+
+
+def test_quantised_checkpoints_are_refused_clearly(tmp_path):
+    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=16,
+              intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              max_position_embeddings=64,
+              quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(ValueError, match="already quantised .*'fp8'.*quantization='fp8'"):
+        ModelConfig.from_hf_config(hf)
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(hf, quantization_config={"quant_method": "compressed-tensors"})))
+    with pytest.raises(ValueError, match="compressed-tensors"):
+        jprefix.load(str(tmp_path))
