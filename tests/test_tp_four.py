@@ -111,7 +111,7 @@ def test_one_device_step_traces_no_tensor_parallel_machinery(unroll):
     runner = llm.engine.runner
     assert runner.params.shards == 1 and runner.mesh is None
     rows = synthetic_rows([list(range(3, 15))] * 2, [[1, 2], [3, 4]], [6, 1])
-    _, (flat, layout, _), _, kind = runner.packer.pack(rows, None)
+    _, (flat, layout, _), _, kind, _ = runner.packer.pack(rows, None)
     traced = step_mod.step.trace(
         runner.params, runner.kv_cache, flat, runner._last_tokens, layout=layout,
         cfg=runner.cfg, backend=runner.backend, decode=kind.decode, greedy=True,
