@@ -16,35 +16,16 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
+import server_harness  # noqa: E402
+
 import jprefix  # noqa: E402
 from jprefix import LLM  # noqa: E402
 from jprefix.engine.input_processor import render_chat  # noqa: E402
 from jprefix.entrypoints.openai_server import build_app  # noqa: E402
 
 
-class Server:
-    """build_app(llm, **kwargs) under uvicorn in a thread, on a free port."""
-
-    def __init__(self, llm, **kwargs):
-        self.llm = llm
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
-        config = uvicorn.Config(build_app(llm, **kwargs), host="127.0.0.1", port=self.port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
+class Server(server_harness.Server):
+    """The shared test server, plus raw requests on one keep-alive connection."""
 
     def raw(self, requests: list[bytes], timeout: float = 30) -> list[tuple[int, dict]]:
         """Sends the requests one after another on ONE connection; their (status, body)."""

@@ -4,7 +4,6 @@ log_softmax of the dense model's logits, echo returns the prompt's logprobs, n >
 choices are seeded and indexed, penalties / min_p / logit_bias reach SamplingParams,
 and bad values are 400s naming the field."""
 
-import socket
 import threading
 import time
 
@@ -16,40 +15,23 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+import server_harness  # noqa: E402
+
 import jprefix  # noqa: E402
 from jprefix import LLM, SamplingParams  # noqa: E402
 from jprefix.engine.input_processor import render_chat  # noqa: E402
-from jprefix.entrypoints.openai_server import build_app  # noqa: E402
 from models.reference import dense_forward  # noqa: E402
 
 PROMPT = np.random.default_rng(0).integers(3, 200, 21).tolist()
 
 
-class Server:
-    """build_app(llm) under uvicorn in a thread, on a free port; `client` is an
-    openai.OpenAI for it."""
+class Server(server_harness.Server):
+    """The shared test server; `client` is an openai.OpenAI for it."""
 
     def __init__(self, llm):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
-        config = uvicorn.Config(build_app(llm), host="127.0.0.1", port=port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        self.llm = llm
-        self.client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1",
+        super().__init__(llm)
+        self.client = openai.OpenAI(api_key="unused", base_url=f"{self.url}/v1",
                                     max_retries=0, timeout=300)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
