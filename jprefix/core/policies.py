@@ -208,17 +208,23 @@ def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
     name, _, opts = spec.partition(":")
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
-    allowed, kwargs = POLICIES[name].OPTIONS, {}
+    return name, parse_options("policy", spec, opts, POLICIES[name].OPTIONS)
+
+
+def parse_options(what: str, spec: str, opts: str, allowed: dict[str, Any]) -> dict[str, Any]:
+    """The "key=value,..." part `opts` of a `spec`: each value converted by `allowed[key]`;
+    ValueError naming the bad item (`what` names the kind of spec in the message)."""
+    kwargs: dict[str, Any] = {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in allowed:
-            raise ValueError(f"policy option {item!r} in {spec!r}: expected key=value with key "
+            raise ValueError(f"{what} option {item!r} in {spec!r}: expected key=value with key "
                              f"one of {sorted(allowed)}")
         try:
             kwargs[key] = allowed[key](value)
         except ValueError as e:
-            raise ValueError(f"policy option {item!r} in {spec!r}: {e}") from e
-    return name, kwargs
+            raise ValueError(f"{what} option {item!r} in {spec!r}: {e}") from e
+    return kwargs
 
 
 def make_policy(spec: str, prefix_pool: PrefixPool) -> Policy:

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+from jprefix.core.policies import parse_options
 from jprefix.core.prefix_trie import PrefixTrie, block_hash, root_hash
 
 ROUTING_POLICIES = ("prefix", "round_robin")
@@ -70,18 +71,12 @@ def parse_routing_policy(spec: str) -> tuple[str, dict[str, float | int]]:
     name, _, opts = spec.partition(":")
     if name not in ROUTING_POLICIES:
         raise ValueError(f"routing policy {name!r} is not one of {list(ROUTING_POLICIES)}")
-    kwargs: dict[str, float | int] = {}
-    for item in filter(None, opts.split(",")):
-        key, eq, value = item.partition("=")
-        if name != "prefix" or not eq or key not in _OPTIONS:
-            raise ValueError(f"routing option {item!r} in {spec!r}: expected key=value with "
-                             f"key one of {sorted(_OPTIONS)} (policy 'prefix' only)")
-        try:
-            kwargs[key] = _OPTIONS[key](value)
-        except ValueError as e:
-            raise ValueError(f"routing option {item!r} in {spec!r}: {e}") from e
-        if kwargs[key] < 0:
-            raise ValueError(f"routing option {item!r} in {spec!r} must be >= 0")
+    if name != "prefix" and opts:
+        raise ValueError(f"routing options in {spec!r}: policy 'prefix' only takes options")
+    kwargs = parse_options("routing", spec, opts, _OPTIONS)
+    for key, value in kwargs.items():
+        if value < 0:
+            raise ValueError(f"routing option {key}={value} in {spec!r} must be >= 0")
     return name, kwargs
 
 
