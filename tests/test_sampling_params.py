@@ -241,3 +241,34 @@ def test_logprobs_and_penalties_survive_preemption(sharp_tiny, monkeypatch):
             assert x[token] >= x.max() - 1e-4
     bm = llm.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks - 1
+
+
+def test_plain_requests_run_the_plain_step_and_feature_requests_the_extra_one():
+    """A batch without penalties, bias or logprobs packs no extra arrays and traces no
+    logits processing (its program is the one from before the sampling features); one
+    row with logprobs switches the whole step to the extra variant."""
+    from jprefix import LLM
+    from jprefix.worker import step as step_mod
+    from scripts.memcheck import synthetic_rows
+
+    llm = LLM("tiny-llama3", dtype="float32", load_format="dummy", block_size=8,
+              num_kv_blocks=32, attention_backend="xla")
+    runner = llm.engine.runner
+    rows = synthetic_rows([list(range(3, 15))] * 2, [[1, 2], [3, 4]], [6, 1])
+
+    def traced(rows):
+        _, (flat, layout, batch), _, kind, _ = runner.packer.pack(rows, None)
+        text = str(step_mod.step.trace(
+            runner.params, runner.kv_cache, flat, runner._last_tokens, layout=layout,
+            cfg=runner.cfg, backend=runner.backend, decode=kind.decode, greedy=True,
+            cascade=kind.cascade, extra=kind.extra).jaxpr)
+        return kind.extra, set(batch), text
+
+    extra, names, text = traced(rows)
+    assert not extra and "plp_idx" not in names
+    assert "top_k" not in text  # (the logprobs' top-k, the extra stage's mark)
+    seq = rows[0].seq
+    seq.sampling_params = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    seq.num_logprobs, seq.sampling_extra = 2, True
+    extra, names, text = traced(rows)
+    assert extra and "plp_idx" in names and "top_k" in text
