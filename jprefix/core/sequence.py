@@ -90,6 +90,8 @@ class Sequence:
         self.output_logprobs: list[tuple] = []
         self.prompt_logprobs: list[tuple] = []
         self.cumulative_logprob = 0.0
+        # when its latest token was sampled (host clock; `engine.stats` times TTFT/ITL)
+        self.last_token_time: float | None = None
         self.prompt = prompt  # the prompt text, when it was given as text
         self.first_token_time: float | None = None
         self.stop_text: str | None = None  # output text cut before a matched stop string

@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-import weakref
 from collections.abc import Iterable
 
 from jprefix.core.scheduler import SchedulerOutput
@@ -60,8 +59,6 @@ class EngineStats:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
-        self._last_token: weakref.WeakKeyDictionary[Sequence, float] = \
-            weakref.WeakKeyDictionary()
 
     @classmethod
     def merged(cls, parts: Iterable[EngineStats]) -> EngineStats:
@@ -91,13 +88,13 @@ class EngineStats:
             seq = sc.seq
             if not sc.sample or seq.finish_reason == "abort":
                 continue
-            last = self._last_token.get(seq)
+            last = seq.last_token_time
             if last is None:
                 self.ttft.observe(now - seq.arrival_time)
                 self.prompt_tokens += seq.num_prompt_tokens
             else:
                 self.itl.observe(now - last)
-            self._last_token[seq] = now
+            seq.last_token_time = now
             self.generation_tokens += 1
 
     def record_finished(self, seqs: Iterable[Sequence]) -> None:
@@ -105,4 +102,3 @@ class EngineStats:
         for seq in seqs:
             self.finished[seq.finish_reason or "abort"] += 1
             self.e2e.observe(now - seq.arrival_time)
-            self._last_token.pop(seq, None)
