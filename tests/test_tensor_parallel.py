@@ -13,17 +13,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent("""
+# what every script below starts with: imports, two devices, the backend from argv, and
+# prompts of 24 shared + 3 / 7 / 12 own random tokens
+PRELUDE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     import jprefix
     from jprefix import LLM, SamplingParams
     assert len(jax.devices()) == 2, jax.devices()
     backend = sys.argv[1]
+
+    def shared_prompts(seed, high=200):
+        rng = np.random.default_rng(seed)
+        shared = rng.integers(3, high, 24).tolist()
+        return [shared + rng.integers(3, high, n).tolist() for n in (3, 7, 12)]
+""")
+
+SCRIPT = PRELUDE + textwrap.dedent("""
     tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 200, 24).tolist()
-    prompts = [shared + rng.integers(3, 200, n).tolist() for n in (3, 7, 12)]
+    prompts = shared_prompts(0)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = {}
     for tp, fixed in ((1, False), (2, False), (2, True)):
@@ -66,19 +74,11 @@ SCRIPT = textwrap.dedent("""
 # ALiBi (6 heads, 3 per device): each device biases its query heads with their own slopes;
 # prefix caching and cascade decode steps on both, greedy tokens equal to one device's and
 # to the dense reference's
-ALIBI_SCRIPT = textwrap.dedent("""
-    import sys
-    import jax, numpy as np
-    import jprefix
-    from jprefix import LLM, SamplingParams
+ALIBI_SCRIPT = PRELUDE + textwrap.dedent("""
     from models.reference import dense_generate
-    assert len(jax.devices()) == 2, jax.devices()
-    backend = sys.argv[1]
     model = jprefix.load("tiny-baichuan2-alibi", dtype="float32", load_format="dummy")
     assert model.config.alibi and model.config.num_heads == 6
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 1000, 24).tolist()
-    prompts = [shared + rng.integers(3, 1000, n).tolist() for n in (3, 7, 12)]
+    prompts = shared_prompts(0, 1000)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     out = {}
     for tp in (1, 2):
@@ -116,17 +116,9 @@ def test_two_device_tensor_parallel_alibi_matches_one_device_and_dense(backend):
 
 # fp8 KV cache over 2 devices: the scales are split by kv head with the caches, greedy
 # tokens equal one device's; fp8 weights are single-device and say so
-FP8_SCRIPT = textwrap.dedent("""
-    import sys
-    import jax, numpy as np
-    import jprefix
-    from jprefix import LLM, SamplingParams
-    assert len(jax.devices()) == 2, jax.devices()
-    backend = sys.argv[1]
+FP8_SCRIPT = PRELUDE + textwrap.dedent("""
     tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
-    rng = np.random.default_rng(1)
-    shared = rng.integers(3, 200, 24).tolist()
-    prompts = [shared + rng.integers(3, 200, n).tolist() for n in (3, 7, 12)]
+    prompts = shared_prompts(1)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     out = {}
     for tp in (1, 2):
