@@ -19,6 +19,7 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compare-sampling", action="store_true",
                     help="also run cache on with every sampling feature on each request "
                          "(penalties, min_p, logit bias, 5 logprobs: the step's extra variant)")
+    ap.add_argument("--sampling-only", action="store_true",
+                    help="run only cache on with every sampling feature, in a process of "
+                         "its own (no other engine's memory before it)")
     ap.add_argument("--ttft-only", action="store_true",
                     help="measure time to first token only (no throughput runs)")
     ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
@@ -201,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         modes.append(("on_sampling", True, True))
     if not args.skip_off:
         modes.append(("off", False, False))
+    if args.sampling_only:
+        modes = [("on_sampling", True, True)]
     num_blocks = args.num_kv_blocks  # fixed after the first engine: same shapes, no recompile
     for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
@@ -216,6 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
             r = run_throughput(llm, prompts, args.prefix_len, out_len,
                                features=tag == "on_sampling")
             results[f"throughput_{tag}_out{out_len}"] = r
+            stats = jax.local_devices()[0].memory_stats() or {}
+            results[f"device_memory_{tag}"] = {k: stats[k] for k in (
+                "bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
             print(f"cache {tag} out {out_len}: {r}", flush=True)
         if tag not in ("on_nocascade", "on_sampling") and args.ttft_reps > 0:
             # (single requests never cascade)
@@ -244,7 +253,9 @@ def print_table(r: dict, args) -> None:
         off = r.get(f"throughput_off_out{out_len}")
         nc = r.get(f"throughput_on_nocascade_out{out_len}")
         feat = r.get(f"throughput_on_sampling_out{out_len}")
-        line = f"out {out_len:4d}: cache on {on['output_tok_s']:9.0f} tok/s"
+        line = f"out {out_len:4d}:"
+        if on:
+            line += f" cache on {on['output_tok_s']:9.0f} tok/s"
         if nc:
             line += (f" | cascade off {nc['output_tok_s']:9.0f} tok/s (step "
                      f"{nc['full_batch_step_ms']:.1f} ms)")
@@ -256,9 +267,11 @@ def print_table(r: dict, args) -> None:
             line += (f" | off {off['output_tok_s']:9.0f} tok/s | on/off "
                      f"{on['output_tok_s'] / off['output_tok_s']:.2f}x | peak blocks on/off "
                      f"{on['peak_used_blocks']}/{off['peak_used_blocks']}")
-        line += (f" | full-batch step {on['full_batch_step_ms']:.1f} ms, host work "
-                 f"{on['host_share_full_batch']:.1%} of it (overlapping the device under "
-                 f"async scheduling: scripts/profile_engine.py measures the device's idle)")
+        if on:
+            line += (f" | full-batch step {on['full_batch_step_ms']:.1f} ms, host work "
+                     f"{on['host_share_full_batch']:.1%} of it (overlapping the device "
+                     f"under async scheduling: scripts/profile_engine.py measures the "
+                     f"device's idle)")
         print(line)
     for key in ("ttft_ms_on_cached", "ttft_ms_on_uncached", "ttft_ms_off", "tpot_ms_on"):
         if key in r:

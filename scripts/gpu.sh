@@ -109,9 +109,11 @@ job_step_sampling() {
   run step_sampling 200 python3 scripts/bench_step.py --model llama-2-7b --batch 1 64 256 \
     --context 700 --sampling both --output-json "$OUT/step_sampling.json"
 }
-job_engine_sampling() {
-  run engine_sampling 280 python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 \
-    --skip-off --compare-sampling --ttft-reps 0 --output-json "$OUT/engine_sampling.json"
+job_engine_sampling() {  # one engine per process: plain, then every feature on
+  local a=(python3 scripts/bench_engine.py --model llama-2-7b --output-len 128 --skip-off
+           --ttft-reps 0)
+  run engine_plain 150 "${a[@]}" --output-json "$OUT/engine_plain.json"
+  run engine_sampling 150 "${a[@]}" --sampling-only --output-json "$OUT/engine_sampling.json"
 }
 job_hf() {
   run hf 150 python3 scripts/bench_hf.py --model llama-2-7b --num-prompts 64 --batch-size 64 \
