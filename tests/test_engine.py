@@ -272,3 +272,22 @@ def test_requests_that_fit_alone_all_complete_by_preempting(tiny):
     assert [o.finish_reason for o in outs] == ["length"] * 4
     assert all(len(o.token_ids) == 88 for o in outs)
     assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_engine_stats_count_every_token(tiny):
+    """EngineStats after a batch: one TTFT per request, one inter-token latency per later
+    token (rows of a step observed together keep their count), histogram totals exact."""
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=64)
+    rng = np.random.default_rng(7)
+    lens = [3, 5, 8]
+    llm.generate(_prompts(rng, tiny.config.vocab_size, 12, [4, 6, 9]),
+                 [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens])
+    stats = llm.engine.stats
+    assert stats.generation_tokens == sum(lens)
+    assert stats.ttft.count == 3
+    assert stats.itl.count == sum(n - 1 for n in lens)
+    for hist in (stats.ttft, stats.itl, stats.e2e):
+        assert sum(hist.counts) == hist.count
+        assert hist.cumulative()[-1] == ("+Inf", hist.count)
+    assert 0 < stats.itl.sum < 60 * stats.itl.count
+    assert stats.finished["length"] == 3

@@ -33,10 +33,11 @@ class Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.sum, self.count = 0.0, 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        """Counts `value` `times` times."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+        self.count += times
 
     def cumulative(self) -> list[tuple[str, int]]:
         """(upper bound, observations <= it) pairs, ending with ("+Inf", count)."""
@@ -82,20 +83,29 @@ class EngineStats:
 
     def record_tokens(self, out: SchedulerOutput) -> None:
         """After a step's tokens are applied: one generated token per sampling row of a
-        live sequence."""
+        live sequence. The rows of a decode batch mostly share their previous token's
+        time (the step before): each distinct time is one histogram observation with
+        its count."""
         now = time.monotonic()
+        gaps: dict[float, int] = {}
+        tokens = 0
         for sc in out.scheduled:
+            if not sc.sample:
+                continue
             seq = sc.seq
-            if not sc.sample or seq.finish_reason == "abort":
+            if seq.finish_reason == "abort":
                 continue
             last = seq.last_token_time
+            seq.last_token_time = now
+            tokens += 1
             if last is None:
                 self.ttft.observe(now - seq.arrival_time)
                 self.prompt_tokens += seq.num_prompt_tokens
             else:
-                self.itl.observe(now - last)
-            seq.last_token_time = now
-            self.generation_tokens += 1
+                gaps[last] = gaps.get(last, 0) + 1
+        for last, times in gaps.items():
+            self.itl.observe(now - last, times)
+        self.generation_tokens += tokens
 
     def record_finished(self, seqs: Iterable[Sequence]) -> None:
         now = time.monotonic()

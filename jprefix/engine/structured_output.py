@@ -135,7 +135,9 @@ class StructuredOutputManager:
     def accept(self, scheduled: Any, tokens: list[int]) -> list[Sequence]:
         """Feeds each structured row's sampled token to its matcher; returns the live
         sequences whose grammar is now complete (the caller finishes them)."""
-        done = []
+        done: list[Sequence] = []
+        if not self._active:
+            return done
         for sc, token in zip(scheduled, tokens, strict=True):
             seq = sc.seq
             if not sc.sample or seq not in self._active:

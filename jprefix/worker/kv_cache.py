@@ -81,10 +81,15 @@ def auto_num_blocks(
     """KV blocks that fit in `memory_fraction` of the device memory free now on `device`
     (default: this process's first; `cpu_blocks` where device memory cannot be measured);
     each of `num_shards` devices holds 1/num_shards of every block. `dtype` is the cache's
-    element dtype (an fp8 one counts its scales)."""
+    element dtype (an fp8 one counts its scales).
+
+    "Free" is at most the allocator's largest free block: the cache's few arrays must each
+    be contiguous, and weights placed and then replaced (fp8 quantisation, a copy to a
+    replica's device) leave holes that add to the free total but hold no cache array."""
     stats = (device or jax.local_devices()[0]).memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         return cpu_blocks
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    free = min(free, stats.get("largest_free_block_bytes", free))
     per_device = kv_block_bytes(cfg, block_size, dtype) // num_shards
     return max(2, int(free * memory_fraction) // per_device)
