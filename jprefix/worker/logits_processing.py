@@ -2,13 +2,18 @@
 asks for them (the step's `extra` variant; a plain step runs none of this).
 
 Arrays of the step (`jprefix.worker.pack_sampling` packs them), S rows, V vocab:
-- presence, frequency, repetition [S] float32: each row's penalties (0, 0, 1 = off);
-- pen_rows, pen_ids, pen_out, pen_prompt [P] int32, pen_bias [P] float32: sparse
-  (row, token) entries: the token's count among the row's known output tokens, whether
-  the prompt holds it, its logit bias (padding entries add 0 to row 0, token 0). A row's
-  newest output token may still be pending on the host (async scheduling): it is the
-  row's last input token, read from the previous step's output (`token_src` >= 0), and
-  counted here;
+- presence, frequency, repetition, min_p [S] float32: each row's penalties and min_p
+  (0, 0, 1, 0 = off);
+- pen_ids [P] int32, pen_bounds [2S+1] int32: penalty entries, token ids laid out row
+  by row; row i's known output tokens (one entry per token, repeats kept: counted) are
+  entries [b[2i], b[2i+1]), the distinct tokens of its prompt (repetition penalty only)
+  [b[2i+1], b[2i+2]), b = pen_bounds (non-decreasing, b[0] = 0; a row without
+  penalties has empty segments); entries from b[2S] on are padding and count nowhere. A
+  row's newest output token may still be pending on the host (async scheduling): it is
+  the row's last input token, read from the previous step's output (`token_src` >= 0),
+  and counted here;
+- bias_rows, bias_ids [B] int32, bias_vals [B] float32: logit-bias (row, token, bias)
+  entries, one per (row, token) at most (padding rows are S: dropped);
 - plp_idx, plp_target [Q] int32: flat token positions whose prompt logprobs are wanted
   and the prompt token that follows each.
 """
@@ -24,16 +29,22 @@ def process_logits(logits: jax.Array, batch: dict[str, jax.Array], token_ids: ja
     """vLLM's order: logit bias, then repetition, frequency and presence penalties.
     `logits` [S, V] float32; `token_ids` [T] the step's input ids (pending ones resolved)."""
     num_rows, vocab = logits.shape
-    rows, ids = batch["pen_rows"], batch["pen_ids"]
-    logits = logits.at[rows, ids].add(batch["pen_bias"], mode="drop")
-    counts = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, ids].add(batch["pen_out"],
-                                                                     mode="drop")
+    logits = logits.at[batch["bias_rows"], batch["bias_ids"]].add(batch["bias_vals"],
+                                                                  mode="drop")
+    ids, bounds = batch["pen_ids"], batch["pen_bounds"]
+    # entry j lies in segment k (row k // 2: its output tokens if k is even, its prompt's
+    # if odd); padding entries get k = 2S: row S, out of range, dropped. (Unrolled: a
+    # few elementwise steps over the entries, log2(2S + 1) of them, no device loop.)
+    k = jnp.searchsorted(bounds, jnp.arange(ids.shape[0], dtype=bounds.dtype),
+                         side="right", method="scan_unrolled") - 1
+    rows = k // 2
+    out_rows = jnp.where(k % 2 == 0, rows, num_rows)
+    counts = jnp.zeros((num_rows, vocab), jnp.int32).at[out_rows, ids].add(1, mode="drop")
     last = batch["logits_idx"]
     pending = (batch["token_src"][last] >= 0).astype(jnp.int32)
     counts = counts.at[jnp.arange(num_rows), token_ids[last]].add(pending, mode="drop")
-    in_prompt = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, ids].add(
-        batch["pen_prompt"], mode="drop")
-    seen = (counts > 0) | (in_prompt > 0)
+    listed = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    seen = (counts > 0) | listed  # (the output tokens are listed too: no matter)
     rep = batch["repetition"][:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return (logits - batch["frequency"][:, None] * counts

@@ -2,15 +2,16 @@
 `extra` variant of the step, for steps where some row has penalties, min_p, a logit bias
 or wants logprobs (`jprefix.worker.logits_processing` documents the arrays).
 
-Output-token counts are packed per step as sparse (row, token, 1) entries, one per known
-output token of each penalised row (the device's scatter-add counts repeats; the row's
-newest token may be pending: the device counts it), from an int32 array kept on the
-sequence and extended by its new tokens only; with them the prompt's distinct tokens
-(computed once per sequence) for the repetition penalty and the logit-bias entries, all
-in one entry list. Entry counts are rounded up to powers of two (at most twice the
-entries, a few words each): the variant compiles once per (shape bucket, entry bucket),
-so a penalised decode compiles again only when its entries double, never per request
-mix.
+Penalty entries are token ids only, one int32 each, laid out row by row: a penalised
+row's known output tokens (repeats kept: the device counts them; the row's newest token
+may be pending: the device counts it), then, when its repetition penalty is on, its
+prompt's distinct tokens; `pen_bounds` says where each row's two segments start and end.
+Both per-row arrays are kept on the sequence (the prompt's once, the output's extended
+in place by its new tokens only), so a step joins them with one concatenate. Logit-bias
+entries are their own (row, token, bias) triples. Entry counts are rounded up to powers
+of two (at most twice the entries): the variant compiles once per (shape bucket, entry
+buckets), so a penalised decode compiles again only when its entries double, never per
+request mix.
 """
 
 from __future__ import annotations
@@ -25,14 +26,6 @@ from jprefix.worker.pack import bucket
 _MIN_ENTRIES = 16
 
 
-def _entries(parts: list[np.ndarray], dtype: Any, size: int) -> np.ndarray:
-    out = np.zeros(size, dtype)
-    if parts:
-        joined = np.concatenate(parts)
-        out[: len(joined)] = joined
-    return out
-
-
 def _prompt_tokens(seq: Any) -> np.ndarray:
     """The distinct prompt tokens of `seq` (computed once, kept on the sequence)."""
     cached = getattr(seq, "_distinct_prompt", None)
@@ -42,17 +35,29 @@ def _prompt_tokens(seq: Any) -> np.ndarray:
 
 
 def _output_tokens(seq: Any) -> np.ndarray:
-    """`seq`'s known output tokens as int32, kept on the sequence and extended by the
-    tokens appended since the last call (output tokens are only ever appended)."""
-    num = seq.num_output_tokens
-    cached = getattr(seq, "_output_array", None)
-    if cached is None or len(cached) > num:
-        cached = np.asarray(seq.all_token_ids[seq.num_prompt_tokens:], np.int32)
-    elif len(cached) < num:
-        tail = seq.all_token_ids[seq.num_prompt_tokens + len(cached):]
-        cached = np.concatenate([cached, np.asarray(tail, np.int32)])
-    seq._output_array = cached
-    return cached
+    """`seq`'s known output tokens as int32: a view of a buffer kept on the sequence,
+    (buffer, tokens written), that takes only the tokens appended since the last call
+    (output tokens are only ever appended) and doubles when full. A view's tokens never
+    change: later calls write past them, or into a new buffer."""
+    num, start = seq.num_output_tokens, seq.num_prompt_tokens
+    buf, done = getattr(seq, "_output_buffer", None) or (None, 0)
+    if buf is None or done > num:
+        buf, done = np.empty(max(2 * num, _MIN_ENTRIES), np.int32), 0
+    elif num > len(buf):
+        grown = np.empty(2 * num, np.int32)
+        grown[:done] = buf[:done]
+        buf = grown
+    if done < num:
+        buf[done:num] = seq.all_token_ids[start + done:start + num]
+        seq._output_buffer = (buf, num)
+    return buf[:num]
+
+
+def _padded(values: list, dtype: Any, size: int, fill: int = 0) -> np.ndarray:
+    """`values` as a `size`-entry array of `dtype`, its tail `fill`."""
+    out = np.full(size, fill, dtype)
+    out[: len(values)] = values
+    return out
 
 
 def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
@@ -60,12 +65,16 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
     """The extra arrays for `rows` (ScheduledSeq, in device order) of a step with
     `num_rows` (S) row slots and query offsets `cu_q_lens` [S+1]; and, per `plp_idx` entry,
     (sequence, prompt position p): the entry's logprobs are of prompt token p + 1."""
-    presence = np.zeros(num_rows, np.float32)
-    frequency = np.zeros(num_rows, np.float32)
-    repetition = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
-    pen: dict[str, list[np.ndarray]] = {"rows": [], "ids": [], "out": [], "prompt": [],
-                                        "bias": []}
+    # per row: presence, frequency, repetition, min_p (off: 0, 0, 1, 0)
+    params = np.zeros((4, num_rows), np.float32)
+    params[2] = 1
+    param_rows: list[int] = []
+    param_values: list[tuple[float, float, float, float]] = []
+    segments: list[np.ndarray] = []  # the entries' token ids, in row order
+    lengths = [0] * (2 * num_rows)  # per row: its output, then its prompt segment's length
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
     plp_idx: list[int] = []
     plp_target: list[int] = []
     plp_meta: list[tuple[Any, int]] = []
@@ -81,37 +90,41 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
                 plp_meta.append((seq, p))
         if not sample:
             continue
-        presence[i], frequency[i] = sp.presence_penalty, sp.frequency_penalty
-        repetition[i], min_p[i] = sp.repetition_penalty, sp.min_p
+        presence, frequency, repetition = (sp.presence_penalty, sp.frequency_penalty,
+                                           sp.repetition_penalty)
+        param_rows.append(i)
+        param_values.append((presence, frequency, repetition, sp.min_p))
         if sp.logit_bias:
-            n = len(sp.logit_bias)
-            _add(pen, i, np.fromiter(sp.logit_bias, np.int32, n), np.zeros(n, np.int32), 0,
-                 np.fromiter(sp.logit_bias.values(), np.float32, n))
-        if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1:
+            bias = sp.logit_bias
+            bias_rows += [i] * len(bias)
+            bias_ids += bias
+            bias_vals += bias.values()
+        if presence or frequency or repetition != 1:
             output = _output_tokens(seq)
-            if len(output):
-                _add(pen, i, output, np.ones(len(output), np.int32), 0)
-            if sp.repetition_penalty != 1:
-                ids = _prompt_tokens(seq)
-                _add(pen, i, ids, np.zeros(len(ids), np.int32), 1)
-    P = bucket(sum(map(len, pen["ids"])), _MIN_ENTRIES)
-    Q = bucket(len(plp_idx), _MIN_ENTRIES)
+            segments.append(output)
+            lengths[2 * i] = len(output)
+            if repetition != 1:
+                distinct = _prompt_tokens(seq)
+                segments.append(distinct)
+                lengths[2 * i + 1] = len(distinct)
+    if param_rows:
+        params[:, param_rows] = np.array(param_values, np.float32).T
+    bounds = np.zeros(2 * num_rows + 1, np.int32)
+    np.cumsum(lengths, out=bounds[1:])
+    num_entries = int(bounds[-1])
+    pen_ids = np.zeros(bucket(num_entries, _MIN_ENTRIES), np.int32)
+    if segments:
+        np.concatenate(segments, out=pen_ids[:num_entries])
+    num_bias = bucket(len(bias_ids), _MIN_ENTRIES)
+    num_plp = bucket(len(plp_idx), _MIN_ENTRIES)
     arrays = dict(
-        presence=presence, frequency=frequency, repetition=repetition, min_p=min_p,
-        pen_rows=_entries(pen["rows"], np.int32, P), pen_ids=_entries(pen["ids"], np.int32, P),
-        pen_out=_entries(pen["out"], np.int32, P),
-        pen_prompt=_entries(pen["prompt"], np.int32, P),
-        pen_bias=_entries(pen["bias"], np.float32, P),
-        plp_idx=_entries([np.asarray(plp_idx, np.int32)], np.int32, Q),
-        plp_target=_entries([np.asarray(plp_target, np.int32)], np.int32, Q),
+        presence=params[0], frequency=params[1], repetition=params[2], min_p=params[3],
+        pen_ids=pen_ids, pen_bounds=bounds,
+        # (padding rows are `num_rows`: out of range, dropped on the device)
+        bias_rows=_padded(bias_rows, np.int32, num_bias, num_rows),
+        bias_ids=_padded(bias_ids, np.int32, num_bias),
+        bias_vals=_padded(bias_vals, np.float32, num_bias),
+        plp_idx=_padded(plp_idx, np.int32, num_plp),
+        plp_target=_padded(plp_target, np.int32, num_plp),
     )
     return arrays, plp_meta
-
-
-def _add(pen: dict[str, list[np.ndarray]], row: int, ids: np.ndarray, out: np.ndarray,
-         in_prompt: int, bias: np.ndarray | None = None) -> None:
-    pen["rows"].append(np.full(len(ids), row, np.int32))
-    pen["ids"].append(ids)
-    pen["out"].append(out)
-    pen["prompt"].append(np.full(len(ids), in_prompt, np.int32))
-    pen["bias"].append(np.zeros(len(ids), np.float32) if bias is None else bias)
