@@ -239,3 +239,29 @@ def test_repacking_follows_a_table_that_shrinks_below_its_width_bucket():
             assert cached.layout == fresh.layout
             np.testing.assert_array_equal(cached.flat, fresh.flat)
         assert fresh.arrays["block_tables"].shape[1] == 4
+
+
+def test_penalty_entries_never_shrink_within_a_packer():
+    """An extra step's penalty entry count is its packer's highest so far: a batch whose
+    penalised rows finish keeps the shape it compiled (no recompile as entries shrink);
+    a fresh packer sizes from the step alone."""
+    from jprefix.worker.input_batch import StepPacker
+
+    rng = np.random.default_rng(5)
+    sp = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)
+    seqs = []
+    for i in range(4):
+        seq = Sequence(f"r{i}", rng.integers(3, 999, 40).tolist(), sp, seed=i)
+        seq.block_table = rng.integers(1, 500, 11).tolist()
+        seqs.append(seq)
+    packer = StepPacker(B, BucketConfig())
+
+    def entries(rows, p):
+        return len(p.pack(rows, None).packed.arrays["pen_ids"])
+
+    all_rows = [ScheduledSeq(s, s.num_tokens - 1, 1, True) for s in seqs]
+    big = entries(all_rows, packer)
+    assert big >= 64  # 4 rows' distinct prompt tokens
+    one = all_rows[:1]
+    assert entries(one, packer) == big
+    assert entries(one, StepPacker(B, BucketConfig())) < big

@@ -60,6 +60,7 @@ class StepPacker:
         self.block_size, self.buckets = block_size, buckets
         self.cache = PackCache() if reuse else None
         self.decode: DecodeStep | None = None  # the last step, if a reusable decode step
+        self.penalty_entries = 0  # the most penalty entries an extra step has sent
         # sequence -> its sampled token's row in the last packed step's device output
         self.pending_rows: dict[Any, int] = {}
 
@@ -103,7 +104,9 @@ class StepPacker:
         batch = pack_step(rows, self.block_size, self.buckets, cache, self.pending_rows)
         positions: list[tuple[Any, int]] = []
         if extra:
-            arrays, positions = pack_sampling(rows, len(batch["kv_lens"]), batch["cu_q_lens"])
+            arrays, positions = pack_sampling(rows, len(batch["kv_lens"]), batch["cu_q_lens"],
+                                              self.penalty_entries)
+            self.penalty_entries = len(arrays["pen_ids"])  # (never shrinks: no recompile)
             batch |= arrays
         if plan is not None:
             batch |= pack_cascade(rows, plan, self.block_size, len(batch["kv_lens"]),

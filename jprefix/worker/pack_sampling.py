@@ -9,9 +9,11 @@ prompt's distinct tokens; `pen_bounds` says where each row's two segments start 
 Both per-row arrays are kept on the sequence (the prompt's once, the output's extended
 in place by its new tokens only), so a step joins them with one concatenate. Logit-bias
 entries are their own (row, token, bias) triples. Entry counts are rounded up to powers
-of two (at most twice the entries): the variant compiles once per (shape bucket, entry
-buckets), so a penalised decode compiles again only when its entries double, never per
-request mix.
+of two (at most twice the entries), and the penalty entries never below `min_entries`,
+the most a step of this packer has sent (`StepPacker` keeps it): the variant compiles
+once per (shape bucket, entry buckets), so a penalised decode compiles again only when
+its entries pass their highest count so far, never per request mix, nor when a batch's
+rows finish and its entries shrink.
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ def _padded(values: list, dtype: Any, size: int, fill: int = 0) -> np.ndarray:
     return out
 
 
-def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
+def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray,
+                  min_entries: int = _MIN_ENTRIES
                   ) -> tuple[dict[str, np.ndarray], list[tuple[Any, int]]]:
     """The extra arrays for `rows` (ScheduledSeq, in device order) of a step with
     `num_rows` (S) row slots and query offsets `cu_q_lens` [S+1]; and, per `plp_idx` entry,
-    (sequence, prompt position p): the entry's logprobs are of prompt token p + 1."""
+    (sequence, prompt position p): the entry's logprobs are of prompt token p + 1.
+    `pen_ids` has at least `min_entries` entries."""
     # per row: presence, frequency, repetition, min_p (off: 0, 0, 1, 0)
     params = np.zeros((4, num_rows), np.float32)
     params[2] = 1
@@ -112,7 +116,7 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray
     bounds = np.zeros(2 * num_rows + 1, np.int32)
     np.cumsum(lengths, out=bounds[1:])
     num_entries = int(bounds[-1])
-    pen_ids = np.zeros(bucket(num_entries, _MIN_ENTRIES), np.int32)
+    pen_ids = np.zeros(bucket(num_entries, max(min_entries, _MIN_ENTRIES)), np.int32)
     if segments:
         np.concatenate(segments, out=pen_ids[:num_entries])
     num_bias = bucket(len(bias_ids), _MIN_ENTRIES)
