@@ -39,7 +39,7 @@ def replicas(llm: LLM) -> list:
 
 
 def sampling_features(output_len: int) -> SamplingParams:
-    """Every sampling feature on at once (`--compare-sampling`): temperature, top-p,
+    """Every sampling feature on at once (`--sampling-only`): temperature, top-p,
     min-p, the three penalties, a logit bias and 5 logprobs per token."""
     return SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                           presence_penalty=0.2, frequency_penalty=0.2,
@@ -156,12 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-off", action="store_true", help="skip the cache-off runs")
     ap.add_argument("--compare-cascade", action="store_true",
                     help="also run cache on with cascade decode off")
-    ap.add_argument("--compare-sampling", action="store_true",
-                    help="also run cache on with every sampling feature on each request "
-                         "(penalties, min_p, logit bias, 5 logprobs: the step's extra variant)")
     ap.add_argument("--sampling-only", action="store_true",
-                    help="run only cache on with every sampling feature, in a process of "
-                         "its own (no other engine's memory before it)")
+                    help="run only cache on, with every sampling feature on each request "
+                         "(penalties, min_p, logit bias, 5 logprobs: the step's extra "
+                         "variant); compare with a plain run in another process (a second "
+                         "full-memory engine in one process can fail to place its cache)")
     ap.add_argument("--ttft-only", action="store_true",
                     help="measure time to first token only (no throughput runs)")
     ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
@@ -201,8 +200,6 @@ def main(argv: list[str] | None = None) -> dict:
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
         modes.append(("on_nocascade", True, False))
-    if args.compare_sampling:
-        modes.append(("on_sampling", True, True))
     if not args.skip_off:
         modes.append(("off", False, False))
     if args.sampling_only:

@@ -19,7 +19,7 @@
 #   step      bench_step.py: one jitted step at batch 1 / 64 / 256             ~2 min
 #   step_sampling  bench_step.py --sampling both: the plain step vs every row with
 #             penalties, min_p, logit bias and 5 logprobs (the extra variant)  ~3 min
-#   engine_sampling  bench_engine.py --compare-sampling: the same, whole engine ~4 min
+#   engine_sampling  bench_engine.py plain, then --sampling-only: the same, whole engine ~3 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
 #   fp8_kernels  bench_kernels.py --sections fp8 (decode, bf16 vs fp8 cache) and
 #             bench_gemm.py --xla-only --quantization fp8                      ~3 min
