@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# A test (setup, call and teardown) that runs longer than this is taken for a hang: every
+# thread's stack is written to the terminal's stderr and the run ends with exit status 1,
+# so a deadlock fails CI at once with its stacks instead of running out the CI's clock.
+# The slowest test takes about 70 s on 2 CPU cores.
+TEST_TIMEOUT_S = float(os.environ.get("JPREFIX_TEST_TIMEOUT_S", "900"))
+_stderr_fd: int | None = None
+
+
+def pytest_configure(config):
+    global _stderr_fd
+    _stderr_fd = os.dup(sys.__stderr__.fileno())  # (the terminal: capture redirects fd 2)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=_stderr_fd)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,6 @@ class Server:
     def wait_idle(self, seconds: float = 30) -> None:
         """Until the engine has no request and its driver thread has exited."""
         deadline = time.monotonic() + seconds
-        while self.llm.engine.has_unfinished_requests() or self.llm._driver._thread is not None:
+        while self.llm.engine.has_unfinished_requests() or self.llm._driver.thread is not None:
             assert time.monotonic() < deadline, "the engine kept running"
             time.sleep(0.02)

@@ -119,7 +119,7 @@ def test_generate_async_concurrent_requests_match_sync(tiny, llm):
     outs = asyncio.run(main())
     assert [o.token_ids for o in outs] == expected
     _wait_for_driver(llm)
-    assert llm._driver._thread is None  # no thread left behind when idle
+    assert llm._driver.thread is None  # no thread left behind when idle
     assert not any(t.name == "jprefix-engine" for t in threading.enumerate())
 
 
@@ -175,7 +175,7 @@ def test_functional_generate_matches_dense(tiny):
 
 
 def _wait_for_driver(llm, timeout=10.0):
-    thread = llm._driver._thread
+    thread = llm._driver.thread
     if thread is not None:
         thread.join(timeout)
 

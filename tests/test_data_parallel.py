@@ -130,8 +130,9 @@ ROUTING = COMMON + textwrap.dedent("""
     def run(dp, policy, prompts=prompts, pos=PREFIX):
         llm = LLM(tiny, data_parallel_size=dp, routing_policy=policy, **KW)
         seqs = [llm.engine.make_sequence(p, sp, pos) for p in prompts]
-        where = [llm.engine.add_sequence(s) or 0 for s in seqs]  # (DP 1: None)
-        done = llm._run_to_completion([s.request_id for s in seqs], False)
+        where, add = [], llm.engine.add_sequence  # the replica of each (DP 1: None)
+        llm.engine.add_sequence = lambda s: where.append(add(s) or 0)
+        done = llm._driver.run(seqs)
         return llm, where, [done[s.request_id] for s in seqs]
 
     llm1, _, outs1 = run(1, "prefix")

@@ -120,8 +120,8 @@ def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(client):
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code \
         == 200
     driver = client.llm._driver
-    if driver._thread is not None:
-        driver._thread.join(10)
+    if driver.thread is not None:
+        driver.thread.join(10)
     bm = client.llm.engine.scheduler.block_manager
     assert not client.llm.engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks - 1

@@ -51,7 +51,7 @@ def post(path: str, body: dict | bytes) -> bytes:
 
 def wait_idle(llm, seconds=20):
     deadline = time.monotonic() + seconds
-    while llm.engine.has_unfinished_requests() or llm._driver._thread is not None:
+    while llm.engine.has_unfinished_requests() or llm._driver.thread is not None:
         assert time.monotonic() < deadline, "the engine kept running"
         time.sleep(0.02)
 

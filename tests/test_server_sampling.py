@@ -205,7 +205,7 @@ def test_leaving_an_n_stream_aborts_every_sample(tiny, monkeypatch):
         assert time.monotonic() < deadline, f"aborted only {aborted}"
         time.sleep(0.05)
     gate.set()
-    while llm.engine.has_unfinished_requests() or llm._driver._thread is not None:
+    while llm.engine.has_unfinished_requests() or llm._driver.thread is not None:
         assert time.monotonic() < deadline, "the samples kept running"
         time.sleep(0.05)
     assert sorted(rid.rsplit("-", 1)[1] for rid in aborted) == ["0", "1", "2"]

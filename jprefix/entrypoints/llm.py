@@ -7,8 +7,6 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.sequence import Sequence
@@ -17,7 +15,7 @@ from jprefix.engine.dp_engine import DataParallelEngine, summarize_stats
 from jprefix.engine.input_processor import as_prompt_list, broadcast, render_chat
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.engine.parallel_sampling import SampleGroup, merge
-from jprefix.entrypoints.async_driver import AsyncDriver
+from jprefix.entrypoints.driver import EngineDriver
 from jprefix.worker import xla_flags
 from models import loader
 from models.loader import LoadedModel
@@ -66,7 +64,7 @@ class LLM:
         self.engine: LLMEngine | DataParallelEngine = (
             DataParallelEngine(model, args) if args.data_parallel_size > 1
             else LLMEngine(model, args))
-        self._driver = AsyncDriver(self.engine)
+        self._driver = EngineDriver(self.engine)
 
     @property
     def tokenizer(self):
@@ -119,11 +117,7 @@ class LLM:
             self.engine.make_request(p, sp, pl, cache_salt=salt)
             for p, sp, pl, salt in zip(prompts, params, prefixes, salts, strict=True)
         ]
-        for group in groups:
-            for seq in group.seqs:
-                self.engine.add_sequence(seq)
-        done = self._run_to_completion([s.request_id for g in groups for s in g.seqs],
-                                       use_tqdm)
+        done = self._driver.run([s for g in groups for s in g.seqs], use_tqdm)
         return [merge(g, [done[s.request_id] for s in g.seqs]) for g in groups]
 
     def chat(
@@ -142,17 +136,6 @@ class LLM:
             raise ValueError("messages is empty: give a conversation")
         prompts = [render_chat(self.tokenizer, conv, add_generation_prompt) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
-
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool
-                           ) -> dict[str, RequestOutput]:
-        wanted, done = set(request_ids), {}
-        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Processed prompts") as bar:
-            while len(done) < len(wanted):
-                for out in self.engine.step():
-                    if out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return done
 
     async def generate_async(
         self,
