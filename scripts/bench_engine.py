@@ -22,7 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix import LLM, SamplingParams, StructuredOutputsParams, load  # noqa: E402
 from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
 from models.loader import model_config  # noqa: E402
 
@@ -47,10 +47,17 @@ def sampling_features(output_len: int) -> SamplingParams:
                           max_tokens=output_len, ignore_eos=True)
 
 
-def run_throughput(llm: LLM, prompts, prefix_len, output_len: int,
-                   features: bool = False) -> dict:
-    sp = (sampling_features(output_len) if features
-          else SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+def request_params(tag: str, output_len: int, regex: str | None) -> SamplingParams:
+    """The requests' sampling: greedy (plain), every sampling feature (`--sampling-only`)
+    or greedy under a regex grammar (`--structured-regex`)."""
+    if tag == "on_sampling":
+        return sampling_features(output_len)
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(regex=regex)
+                          if tag == "on_structured" else None)
+
+
+def run_throughput(llm: LLM, prompts, prefix_len, sp: SamplingParams) -> dict:
     best = None
     for _ in range(2):  # the first run compiles
         llm.reset_prefix_cache()
@@ -61,13 +68,15 @@ def run_throughput(llm: LLM, prompts, prefix_len, output_len: int,
         llm.engine.step_stats.clear()
         for seq in [llm.engine.make_sequence(p, sp, prefix_len) for p in prompts]:
             llm.engine.add_sequence(seq)
-        done = 0
+        done = out_tokens = 0
         while done < len(prompts):
-            done += len(llm.engine.step())
+            outs = llm.engine.step()
+            done += len(outs)
+            out_tokens += sum(len(o.token_ids) for o in outs)  # (a grammar may end one early)
             peak = max(peak, sum(b.num_blocks - 1 - b.num_free_blocks for b in blocks))
         elapsed = time.perf_counter() - start
-        best = dict(elapsed_s=elapsed, peak_used_blocks=peak, stats=list(llm.engine.step_stats))
-    out_tokens = len(prompts) * output_len
+        best = dict(elapsed_s=elapsed, peak_used_blocks=peak, stats=list(llm.engine.step_stats),
+                    output_tokens=out_tokens)
     stats = best.pop("stats")
     decode = [s for s in stats if s[0] >= len(prompts) * 0.9 and s[1] == s[0]]
     host_share = (
@@ -75,7 +84,7 @@ def run_throughput(llm: LLM, prompts, prefix_len, output_len: int,
     )
     return dict(
         **best,
-        output_tok_s=out_tokens / best["elapsed_s"],
+        output_tok_s=best["output_tokens"] / best["elapsed_s"],
         steps=len(stats),
         full_batch_decode_steps=len(decode),
         full_batch_step_ms=1e3 * statistics.median([s[3] for s in decode]) if decode else None,
@@ -161,6 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "(penalties, min_p, logit bias, 5 logprobs: the step's extra "
                          "variant); compare with a plain run in another process (a second "
                          "full-memory engine in one process can fail to place its cache)")
+    ap.add_argument("--structured-regex", default=None, metavar="REGEX",
+                    help="run only cache on, every request greedy under this regex grammar "
+                         "(the model needs its tokenizer); with --no-async-scheduling the "
+                         "synchronous engine's figure for the same outputs")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="schedule each step after the one before has finished")
     ap.add_argument("--ttft-only", action="store_true",
                     help="measure time to first token only (no throughput runs)")
     ap.add_argument("--fixed-inputs", choices=("auto", "on", "off"), default="auto",
@@ -195,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
                      "prefix_len": args.prefix_len, "unique_len": args.unique_len,
                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                     "data_parallel_size": args.data_parallel_size, **fp8_kwargs(args)}
+                     "data_parallel_size": args.data_parallel_size,
+                     "async_scheduling": not args.no_async_scheduling,
+                     "structured_regex": args.structured_regex, **fp8_kwargs(args)}
     fixed = {"auto": None, "on": True, "off": False}[args.fixed_inputs]
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
@@ -204,26 +221,29 @@ def main(argv: list[str] | None = None) -> dict:
         modes.append(("off", False, False))
     if args.sampling_only:
         modes = [("on_sampling", True, True)]
+    if args.structured_regex is not None:
+        modes = [("on_structured", True, True)]
     num_blocks = args.num_kv_blocks  # fixed after the first engine: same shapes, no recompile
     for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
                   enable_cascade=cascade, fixed_inputs=fixed,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
-                  data_parallel_size=args.data_parallel_size, **engine_kw,
+                  data_parallel_size=args.data_parallel_size,
+                  async_scheduling=not args.no_async_scheduling, **engine_kw,
                   **fp8_kwargs(args))
         first = replicas(llm)[0]
         results[f"fixed_inputs_{tag}"] = first.runner.fixed_inputs is not None
         num_blocks = first.scheduler.block_manager.num_blocks
         results[f"num_kv_blocks_{tag}"] = num_blocks
         for out_len in [] if args.ttft_only else args.output_len:
-            r = run_throughput(llm, prompts, args.prefix_len, out_len,
-                               features=tag == "on_sampling")
+            r = run_throughput(llm, prompts, args.prefix_len,
+                               request_params(tag, out_len, args.structured_regex))
             results[f"throughput_{tag}_out{out_len}"] = r
             stats = jax.local_devices()[0].memory_stats() or {}
             results[f"device_memory_{tag}"] = {k: stats[k] for k in (
                 "bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
             print(f"cache {tag} out {out_len}: {r}", flush=True)
-        if tag not in ("on_nocascade", "on_sampling") and args.ttft_reps > 0:
+        if tag not in ("on_nocascade", "on_sampling", "on_structured") and args.ttft_reps > 0:
             # (single requests never cascade)
             results[f"ttft_ms_{tag}_cached" if caching else "ttft_ms_off"] = run_ttft(
                 llm, prompts[0], args.prefix_len, caching, args.ttft_reps)
@@ -250,6 +270,7 @@ def print_table(r: dict, args) -> None:
         off = r.get(f"throughput_off_out{out_len}")
         nc = r.get(f"throughput_on_nocascade_out{out_len}")
         feat = r.get(f"throughput_on_sampling_out{out_len}")
+        grammar = r.get(f"throughput_on_structured_out{out_len}")
         line = f"out {out_len:4d}:"
         if on:
             line += f" cache on {on['output_tok_s']:9.0f} tok/s"
@@ -260,6 +281,11 @@ def print_table(r: dict, args) -> None:
             line += (f" | every sampling feature {feat['output_tok_s']:9.0f} tok/s (step "
                      f"{feat['full_batch_step_ms']:.1f} ms, host "
                      f"{feat['host_share_full_batch']:.1%})")
+        if grammar:
+            line += (f" structured {grammar['output_tok_s']:9.0f} tok/s "
+                     f"({grammar['output_tokens']} tokens, step "
+                     f"{grammar['full_batch_step_ms'] or float('nan'):.1f} ms, async "
+                     f"scheduling {'on' if r['async_scheduling'] else 'off'})")
         if off:
             line += (f" | off {off['output_tok_s']:9.0f} tok/s | on/off "
                      f"{on['output_tok_s'] / off['output_tok_s']:.2f}x | peak blocks on/off "

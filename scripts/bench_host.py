@@ -25,8 +25,8 @@ from jprefix.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.worker.input_batch import StepPacker
-from jprefix.worker.model_runner import StepHandle
 from jprefix.worker.pack import BucketConfig
+from jprefix.worker.step_handle import StepHandle
 from scripts.bench_step import EXTRA
 
 

@@ -177,3 +177,55 @@ def test_each_of_n_samples_follows_its_own_grammar_state(smol):
     for sample in out.samples:
         assert re.fullmatch(regex, sample.text) and sample.finish_reason == "stop", sample.text
     assert len({s.text for s in out.samples}) > 1  # distinct seeds, distinct samples
+
+
+def test_masks_are_filled_while_the_next_step_runs_and_equal_the_sync_path(smol):
+    """While a structured token is in flight, the next step is dispatched up to its
+    logits before that token is fetched, its masks are filled after, and its sampling is
+    queued then (`ModelRunner.sample`): async scheduling kept. Tokens and logprobs equal
+    the synchronous engine's (one program per step, masks filled before it)."""
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    prompt = _chat(smol, "Answer.")
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=30, logprobs=lp,
+                             presence_penalty=pp,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMAS[i][1])
+                             if i is not None else StructuredOutputsParams(regex=regex))
+              for t, s, lp, pp, i in [(0.0, 0, None, 0.0, 0), (1.0, 1, None, 0.0, None),
+                                      (1.0, 2, 2, 0.5, 4), (0.0, 3, None, 0.0, 9)]]
+    runner, events = smol.engine.runner, []
+
+    def logged(name):
+        method = getattr(runner, name)
+
+        def call(*a, **kw):
+            out = method(*a, **kw)
+            events.append((name, out if name == "dispatch" else a[0]))
+            return out
+        return call
+
+    for name in ("dispatch", "fetch", "sample"):
+        setattr(runner, name, logged(name))
+    try:
+        outs = smol.generate([prompt] * 4, params, use_tqdm=False)
+    finally:
+        for name in ("dispatch", "fetch", "sample"):
+            delattr(runner, name)
+    handles = [h for e, h in events if e == "dispatch"]
+    later = [h for h in handles if h.later is not None]
+    assert len(later) >= 10  # every decode step with a structured token in flight
+    order = {(e, id(h)): i for i, (e, h) in enumerate(events)}
+    for prev, h in zip(handles, handles[1:], strict=False):
+        if h.later is not None:  # dispatched before the step in flight was fetched
+            assert order["dispatch", id(h)] < order["fetch", id(prev)] \
+                < order["sample", id(h)] < order["fetch", id(h)]
+    sync = LLM(smol.engine.model, num_kv_blocks=512, max_model_len=1024,
+               async_scheduling=False)
+    expected = sync.generate([prompt] * 4, params, use_tqdm=False)
+    for out, exp in zip(outs, expected, strict=True):
+        assert out.token_ids == exp.token_ids and out.finish_reason == exp.finish_reason
+        assert out.finish_reason == "stop", out.text
+    assert outs[2].logprobs is not None
+    for got, exp in zip(outs[2].logprobs, expected[2].logprobs, strict=True):
+        assert got.keys() == exp.keys()
+        np.testing.assert_allclose([v.logprob for v in got.values()],
+                                   [exp[k].logprob for k in got], rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ from jprefix.engine.parallel_sampling import SampleGroup, fan_out
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
 from jprefix.engine.stats import EngineStats
 from jprefix.engine.structured_output import StructuredOutputManager
-from jprefix.worker.model_runner import StepHandle
+from jprefix.worker.step_handle import StepHandle
 from models.loader import LoadedModel
 
 
@@ -143,21 +143,30 @@ class LLMEngine:
         finished (or were aborted, or can never fit) in what it processed."""
         with self._step_lock:
             t0 = time.perf_counter()
-            finished = self._drain_queues() + self._sync_structured()
+            masks_later = self._masks_later()
+            finished = self._drain_queues()
+            if not masks_later:
+                finished += self._sync_structured()
             out = self.scheduler.schedule()
             self.stats.record_schedule(out)
             finished += out.ignored
             launched = None
             if out.scheduled:
-                handle = self.runner.dispatch(out.scheduled, self._cascade_plan(out),
-                                              self.structured.bitmasks(out.scheduled))
+                plan = self._cascade_plan(out)
+                handle = (self.runner.dispatch(out.scheduled, plan, masks_later=True)
+                          if masks_later else self.runner.dispatch(
+                              out.scheduled, plan, self.structured.bitmasks(out.scheduled)))
                 launched = _InFlight(out, handle, t0, time.perf_counter())
             if self.args.async_scheduling:
                 done, self._inflight = self._inflight, launched
             else:
                 done = launched
-            if done is not None:
-                finished += self._process(done)
+            try:
+                if done is not None:
+                    finished += self._process(done)
+            finally:
+                if masks_later and launched is not None:  # (its masks need done's tokens)
+                    self.runner.sample(launched.handle, self.structured.bitmasks(out.scheduled))
             if (self._inflight is not None and not self._pending
                     and not self.scheduler.has_unfinished()):
                 # every sequence of the step in flight has already finished (a stop seen
@@ -168,9 +177,18 @@ class LLMEngine:
                 self.cascade_planner.forget()  # nothing decodes: hold no finished sequence
             return self._collect(finished)
 
+    def _masks_later(self) -> bool:
+        """Whether the next step's grammar masks wait for the step in flight (it samples
+        a structured request's token, which the request's next mask needs): the runner
+        then runs the next step's model while the host processes the step in flight and
+        fills the masks, and samples once they are there (`ModelRunner.sample`)."""
+        return (self._inflight is not None and self.args.async_scheduling
+                and getattr(self.runner, "can_mask_later", False)
+                and self.structured.needs_sync())
+
     def _sync_structured(self) -> list[Sequence]:
-        """Processes the step in flight before the next is scheduled when it samples a
-        structured request's token: that request's next mask needs it."""
+        """(A runner that cannot sample later: a multi-process run.) Processes the step in
+        flight before the next is scheduled when a structured request's mask needs it."""
         if self._inflight is None or not self.structured.needs_sync():
             return []
         done, self._inflight = self._inflight, None

@@ -8,8 +8,10 @@ sampled token back to its matcher (`accept`), finishing a request whose grammar 
 complete. The device applies the bitmask before sampling (`jprefix.worker.structured`).
 
 A mask depends on every token sampled before it, so while a structured request's token
-is in flight the engine processes that step before scheduling the next one
-(`needs_sync`); otherwise steps keep async scheduling.
+is in flight (`needs_sync`) the engine dispatches the next step up to its logits, then
+processes the step in flight and fills the masks while the device runs the model, and
+the runner samples once they are there (`LLMEngine._masks_later`): the masks overlap
+the device step and steps keep async scheduling.
 
 llguidance: a Rust grammar engine with no Python dependencies (JSON Schema incl. patterns,
 nested objects and $ref, regexes and Lark grammars); it builds each grammar's lexer
@@ -112,12 +114,15 @@ class StructuredOutputManager:
 
     def bitmasks(self, scheduled: Any) -> dict[Sequence, np.ndarray] | None:
         """Each sampling structured row's allowed tokens ([words] int32), or None when
-        the step has none. Every token its matcher saw was sampled (`needs_sync`)."""
+        the step has none. Every token sampled before the step has been accepted (the
+        engine calls this before the dispatch, or after processing the step in flight
+        while the step runs its model: `needs_sync`)."""
         if not self._active:
             return None
         import llguidance.numpy as lln
 
-        rows = [sc.seq for sc in scheduled if sc.sample and sc.seq in self._active]
+        rows = [sc.seq for sc in scheduled  # (a row finished by the step before: no mask)
+                if sc.sample and sc.seq in self._active and not sc.seq.is_finished()]
         if not rows:
             return None
         masks = np.empty((len(rows), self.words), np.int32)

@@ -9,7 +9,7 @@ import concurrent.futures
 import time
 import weakref
 from collections.abc import Sequence as Seq
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,71 +20,25 @@ from jprefix.core.cascade import CascadePlan
 from jprefix.worker import multihost, xla_flags
 from jprefix.worker.fixed_inputs import FixedInputs
 from jprefix.worker.input_batch import StepPacker
-from jprefix.worker.kv_cache import auto_num_blocks, check_fp8_device, empty_kv_cache, kv_dtype
+from jprefix.worker.kv_cache import auto_num_blocks, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import (
     REPLICATED,
     kv_sharding,
-    replicate_kv_heads,
-    shard_params,
     tp_config,
 )
-from jprefix.worker.step import BACKENDS, KVCache, default_backend, step
+from jprefix.worker.params import prepare_params
+from jprefix.worker.step import (
+    BACKENDS,
+    KVCache,
+    default_backend,
+    step,
+    step_logits,
+    step_sample,
+)
+from jprefix.worker.step_handle import MasksLater, StepHandle, to_host, unorder
 from jprefix.worker.structured import place_bitmask
 from models.config import ModelConfig
-from models.layout import fuse_projections, quantize_linears, unstack_layers
-
-
-class StepHandle(NamedTuple):
-    """A dispatched step: its launch (resolving to the device output), live rows, the
-    device's row order (indices into the scheduled list; None when unchanged), and for an
-    extra step (logits processing, logprobs) the (sequence, prompt position) of each
-    prompt-logprobs entry (None: a plain step)."""
-
-    tokens: concurrent.futures.Future
-    num_rows: int
-    order: list[int] | None
-    prompt_positions: list[tuple[Any, int]] | None = None
-
-
-def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
-                   unroll_layers: bool | None = None, donate: bool = False,
-                   quantization: str | None = None) -> Any:
-    """The weights in the layout the step runs (the one place that decides it): sharded
-    over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
-    the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
-    buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
-    matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
-    `donate`: the caller hands the weights over, so the input buffers the result does
-    not reuse are freed at once (one copy of the weights on the device, not two, before
-    the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
-    fp8 (one device)."""
-    if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
-        unroll_layers = jax.default_backend() == "gpu"
-    given = params
-    if mesh is not None and params.layout == "stacked":  # (per-layer ones are sharded)
-        params = replicate_kv_heads(shard_params(params, cfg, mesh), cfg, mesh)
-    elif mesh is not None and tp_config(cfg, mesh.size) is not cfg:
-        raise ValueError(f"replicating {cfg.num_kv_heads} kv heads over {mesh.size} shards "
-                         f"needs layout 'stacked' params, got {params.layout!r}")
-    if unroll_layers:
-        if params.layout == "stacked":
-            params = unstack_layers(params, fuse=True, shards=1 if mesh is None else mesh.size)
-        elif mesh is None:
-            params = fuse_projections(params)
-    if quantization == "fp8":
-        if mesh is not None:
-            raise ValueError("quantization='fp8' runs on one device (tensor_parallel_size 1)")
-        check_fp8_device("quantization='fp8'")
-        params = quantize_linears(params)
-    elif quantization is not None:
-        raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
-    if donate and params is not given:
-        kept = {id(x) for x in jax.tree.leaves(params)}
-        for x in jax.tree.leaves(given):
-            if id(x) not in kept:
-                x.delete()
-    return params
 
 
 class ModelRunner:
@@ -164,6 +118,7 @@ class ModelRunner:
         weakref.finalize(self, self._launcher.shutdown, wait=False)
         self._last_launch: concurrent.futures.Future | None = None
         self._failed: Exception | None = None  # a launch that raised: later ones refuse
+        self._later: MasksLater | None = None  # dispatched with masks_later, not sampled
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_timing = (0.0, 0.0)
         # every step returns max_rows token ids: the next step may read its pending ones
@@ -192,10 +147,14 @@ class ModelRunner:
         return self._kv_cache
 
     def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None,
-                 token_masks: dict[Any, np.ndarray] | None = None) -> StepHandle:
+                 token_masks: dict[Any, np.ndarray] | None = None,
+                 masks_later: bool = False) -> StepHandle:
         """Packs one step and queues its launch without waiting for either the launch or
         the device; `fetch` gets its tokens. `token_masks`: the allowed tokens (packed
         bitmask words) of the sequences whose sampling follows a grammar.
+        `masks_later` (one process only: `can_mask_later`): queues the step up to its
+        logits; `sample(handle, token_masks)` queues the rest, and must come before the
+        next dispatch (so the host fills the masks while the device runs the model).
 
         A row whose newest token is pending reads it from the previous dispatch's
         output (the packer keeps where each sampled token sits).
@@ -203,40 +162,83 @@ class ModelRunner:
         t0 = time.perf_counter()
         if len(scheduled) > self.max_rows:
             raise ValueError(f"{len(scheduled)} sequences exceed the runner's {self.max_rows} rows")
+        if self._later is not None:
+            raise RuntimeError("the step dispatched with masks_later was never sampled")
         rows, (flat, layout, batch), order, kind, positions = self.packer.pack(scheduled, plan)
         greedy = not batch["temperature"].any()
+        later = self._later = MasksLater(rows, len(batch["logits_idx"]), layout, greedy,
+                                          kind.extra) if masks_later else None
         bitmask = None if not token_masks else place_bitmask(
             rows, token_masks, len(batch["logits_idx"]), next(iter(token_masks.values())).size)
         self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape,
                               kind.decode, kind.cascade, kind.num_decode > 0))
 
         def launch() -> jax.Array:  # on the worker thread, in dispatch order
-            if self._failed is not None:  # its cache and tokens are gone: fail fast
-                raise RuntimeError("an earlier engine step failed, so the KV cache and the "
-                                   "pending tokens are lost: create a new engine"
-                                   ) from self._failed
             try:
+                if self._failed is not None:  # its cache and tokens are gone: fail fast
+                    raise RuntimeError("an earlier engine step failed, so the KV cache and "
+                                       "the pending tokens are lost: create a new engine"
+                                       ) from self._failed
+                if later is not None:
+                    flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
+                    *logits, self._kv_cache = step_logits(
+                        self.params, self._kv_cache, flat_in, self._last_tokens, layout=layout,
+                        cfg=self.cfg, backend=self.backend, decode=kind.decode,
+                        cascade=kind.cascade, mesh=self.mesh, extra=kind.extra)
+                    return *logits, flat_in
                 step_args = (flat, layout, bitmask, kind.decode, greedy, kind.cascade,
                              kind.extra)
                 if self.channel is not None:
                     self.channel.send(*step_args)
                 tokens, logprobs = self.run_step(*step_args)
-                # Queue the copy to the host now, so the tokens may be on the host already
-                # when the engine asks (async scheduling fetches a step's tokens after
-                # dispatching the next one) instead of the copy starting only then.
-                for out in (tokens, *jax.tree.leaves(logprobs)):
-                    out.copy_to_host_async()
+                return to_host(tokens, logprobs)
             except Exception as exc:
-                self._failed = exc
+                self._failed = self._failed or exc
+                if later is not None:
+                    later.result.set_exception(exc)
                 if self.channel is not None:  # the processes are out of step for good
                     multihost.fatal(exc, "an engine step")
                 raise
-            return tokens if logprobs is None else (tokens, logprobs)
 
         self._last_launch = self._launcher.submit(launch)
         self.last_timing = (time.perf_counter() - t0, 0.0)
-        return StepHandle(self._last_launch, len(rows), order,
-                          positions if kind.extra else None)
+        if later is not None:
+            later.forward = self._last_launch
+        return StepHandle(self._last_launch if later is None else later.result, len(rows),
+                          order, positions if kind.extra else None, later)
+
+    @property
+    def can_mask_later(self) -> bool:
+        """Whether `dispatch(masks_later=True)` works (one process: the other processes
+        of a multi-process run follow whole steps)."""
+        return self.channel is None
+
+    def sample(self, handle: StepHandle, token_masks: dict[Any, np.ndarray] | None) -> None:
+        """Queues the sampling of a step dispatched with `masks_later`, with the grammar
+        masks of its structured rows (as `dispatch` takes them)."""
+        later = handle.later
+        if later is None or later is not self._later:
+            raise RuntimeError("sample() takes the last step dispatched with masks_later")
+        self._later = None
+        bitmask = None if not token_masks else place_bitmask(
+            later.rows, token_masks, later.num_rows, next(iter(token_masks.values())).size)
+
+        def launch() -> None:
+            try:
+                logits, prompt_logits, token_ids, flat_in = later.forward.result()
+                out = step_sample(logits, prompt_logits, token_ids, flat_in, self._last_tokens,
+                                  bitmask, layout=later.layout, greedy=later.greedy,
+                                  extra=later.extra, mesh=self.mesh)
+                tokens, logprobs = out if later.extra else (out, None)
+                self._last_tokens = tokens
+                later.result.set_result(to_host(tokens, logprobs))
+            except Exception as exc:
+                self._failed = self._failed or exc
+                if not later.result.done():
+                    later.result.set_exception(exc)
+                raise
+
+        self._last_launch = self._launcher.submit(launch)
 
     def run_step(self, flat: np.ndarray, layout: Any, bitmask: np.ndarray | None,
                  decode: bool, greedy: bool, cascade: bool, extra: bool
@@ -282,9 +284,7 @@ class ModelRunner:
         self.last_timing = (self.last_timing[0], time.perf_counter() - t0)
         if handle.order is None:
             return host_tokens
-        unordered = np.empty_like(host_tokens)
-        unordered[handle.order] = host_tokens
-        return unordered
+        return unorder(host_tokens, handle.order)
 
     def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, tuple] | None:
         """An extra step's logprobs on the host, None for a plain step: per scheduled row
@@ -296,17 +296,10 @@ class ModelRunner:
         rows, prompt = jax.tree.map(np.asarray, result[1])
         rows = tuple(a[: handle.num_rows] for a in rows)
         if handle.order is not None:
-            rows = tuple(_unorder(a, handle.order) for a in rows)
+            rows = tuple(unorder(a, handle.order) for a in rows)
         return rows, tuple(a[: len(handle.prompt_positions)] for a in prompt)
 
     def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
         """Runs one step and waits for it (`dispatch` + `fetch`). Records (host seconds to
         pack and dispatch, seconds waiting for the device) in `last_timing`."""
         return self.fetch(self.dispatch(scheduled, plan))
-
-
-def _unorder(device_rows: np.ndarray, order: list[int]) -> np.ndarray:
-    """Rows in device order -> rows in scheduled order (device row i is scheduled order[i])."""
-    out = np.empty_like(device_rows)
-    out[order] = device_rows
-    return out

@@ -142,11 +142,11 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     return qkv_attn_fn
 
 
+_STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra")
+
+
 @functools.partial(
-    jax.jit,
-    static_argnames=("layout", "cfg", "backend", "decode", "greedy", "cascade", "mesh",
-                     "extra"),
-    donate_argnames=("kv_cache",),
+    jax.jit, static_argnames=(*_STATIC, "greedy"), donate_argnames=("kv_cache",),
     compiler_options=xla_flags.step_compiler_options(),
 )
 def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
@@ -171,7 +171,48 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     processing stage see the grammar's -inf.
     `extra` (some row has penalties, min_p, a logit bias or wants logprobs: the batch
     carries `logits_processing`'s arrays) processes the logits before sampling.
+
+    `step_logits` then `step_sample` compute the same in two programs, for a step whose
+    bitmask is filled on the host while the first runs.
     """
+    batch, token_ids, logits, prompt_logits, kv_cache = _model(
+        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra)
+    tokens, logprobs = _sample(logits, prompt_logits, batch, token_ids, prev_tokens,
+                               token_bitmask, greedy, extra, mesh)
+    return (tokens, kv_cache) if logprobs is None else (tokens, kv_cache, logprobs)
+
+
+@functools.partial(
+    jax.jit, static_argnames=_STATIC, donate_argnames=("kv_cache",),
+    compiler_options=xla_flags.step_compiler_options(),
+)
+def step_logits(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
+                layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
+                cascade: bool = False, mesh: Mesh | None = None, extra: bool = False):
+    """`step` up to the logits: returns (logits [S, V] float32, the prompt-logprobs
+    entries' logits (`extra`; else None), the step's token ids [T], kv_cache), which
+    `step_sample` takes."""
+    _, token_ids, logits, prompt_logits, kv_cache = _model(
+        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra)
+    return logits, prompt_logits, token_ids, kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "greedy", "extra", "mesh"))
+def step_sample(logits: jax.Array, prompt_logits: jax.Array | None, token_ids: jax.Array,
+                flat: jax.Array, prev_tokens: jax.Array, token_bitmask: jax.Array | None,
+                *, layout: Layout, greedy: bool, extra: bool, mesh: Mesh | None = None):
+    """The rest of `step` after `step_logits`: the bitmask, logits processing and
+    sampling of the same batch (`flat`). Returns the tokens [P], and with `extra` a
+    tuple (tokens, logprobs)."""
+    tokens, logprobs = _sample(logits, prompt_logits, unflatten_batch(flat, layout),
+                               token_ids, prev_tokens, token_bitmask, greedy, extra, mesh)
+    return tokens if logprobs is None else (tokens, logprobs)
+
+
+def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
+           extra):
+    """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
+    logits [E, V] (`extra`; else None), kv_cache)."""
     batch = unflatten_batch(flat, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     src = batch["token_src"]
@@ -196,18 +237,25 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
                                _col_linear(backend, mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
+    prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
+    return batch, token_ids, logits, prompt_logits, kv_cache
+
+
+def _sample(logits, prompt_logits, batch, token_ids, prev_tokens, token_bitmask, greedy: bool,
+            extra: bool, mesh: Mesh | None):
+    """The step's tokens [P] from its logits (bitmask first, then processing and
+    sampling), and the logprobs (`extra`; else None)."""
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
+    logprobs = None
     if extra:
-        tokens, logprobs = _extra_sampling(params, cfg, hidden, logits, batch, token_ids,
-                                           greedy)
-        return _all_rows(tokens, prev_tokens, mesh), kv_cache, logprobs
-    if greedy:
+        tokens, logprobs = _extra_sampling(logits, prompt_logits, batch, token_ids, greedy)
+    elif greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
-    return _all_rows(tokens, prev_tokens, mesh), kv_cache
+    return _all_rows(tokens, prev_tokens, mesh), logprobs
 
 
 def _all_rows(tokens, prev_tokens, mesh: Mesh | None):
@@ -219,12 +267,12 @@ def _all_rows(tokens, prev_tokens, mesh: Mesh | None):
     return tokens
 
 
-def _extra_sampling(params, cfg: ModelConfig, hidden, logits, batch, token_ids, greedy: bool):
+def _extra_sampling(logits, prompt_logits, batch, token_ids, greedy: bool):
     """Samples from the processed logits (`process_logits`, then min-p among the sampling
     steps); returns the tokens [S] and the logprobs of the raw distribution: per row
     (sampled token's logprob [S], rank [S], top-k ids [S, k], top-k logprobs [S, k]) and
-    the same per prompt position of `plp_idx` for its `plp_target` token, k =
-    min(MAX_LOGPROBS, V)."""
+    the same per prompt position of `plp_idx` (`prompt_logits`) for its `plp_target`
+    token, k = min(MAX_LOGPROBS, V)."""
     processed = process_logits(logits, batch, token_ids)
     if greedy:
         tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
@@ -232,6 +280,5 @@ def _extra_sampling(params, cfg: ModelConfig, hidden, logits, batch, token_ids, 
         tokens = sample(processed, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"], batch["min_p"])
     k = min(MAX_LOGPROBS, logits.shape[-1])
-    prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]])
     return tokens, (token_logprobs(logits, tokens, k),
                     token_logprobs(prompt_logits, batch["plp_target"], k))

@@ -1,0 +1,54 @@
+"""The weights in the layout the engine's step runs: sharded for tensor parallelism, split
+per layer with fused projections on GPU, optionally quantised to fp8."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jprefix.worker.kv_cache import check_fp8_device
+from jprefix.worker.parallel import replicate_kv_heads, shard_params, tp_config
+from models.config import ModelConfig
+from models.layout import fuse_projections, quantize_linears, unstack_layers
+
+
+def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
+                   unroll_layers: bool | None = None, donate: bool = False,
+                   quantization: str | None = None) -> Any:
+    """The weights in the layout the step runs (the one place that decides it): sharded
+    over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
+    the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
+    buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
+    matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
+    `donate`: the caller hands the weights over, so the input buffers the result does
+    not reuse are freed at once (one copy of the weights on the device, not two, before
+    the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
+    fp8 (one device)."""
+    if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
+        unroll_layers = jax.default_backend() == "gpu"
+    given = params
+    if mesh is not None and params.layout == "stacked":  # (per-layer ones are sharded)
+        params = replicate_kv_heads(shard_params(params, cfg, mesh), cfg, mesh)
+    elif mesh is not None and tp_config(cfg, mesh.size) is not cfg:
+        raise ValueError(f"replicating {cfg.num_kv_heads} kv heads over {mesh.size} shards "
+                         f"needs layout 'stacked' params, got {params.layout!r}")
+    if unroll_layers:
+        if params.layout == "stacked":
+            params = unstack_layers(params, fuse=True, shards=1 if mesh is None else mesh.size)
+        elif mesh is None:
+            params = fuse_projections(params)
+    if quantization == "fp8":
+        if mesh is not None:
+            raise ValueError("quantization='fp8' runs on one device (tensor_parallel_size 1)")
+        check_fp8_device("quantization='fp8'")
+        params = quantize_linears(params)
+    elif quantization is not None:
+        raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
+    if donate and params is not given:
+        kept = {id(x) for x in jax.tree.leaves(params)}
+        for x in jax.tree.leaves(given):
+            if id(x) not in kept:
+                x.delete()
+    return params
