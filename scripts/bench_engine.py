@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="run only cache on, every request greedy under this regex grammar "
                          "(the model needs its tokenizer); with --no-async-scheduling the "
                          "synchronous engine's figure for the same outputs")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a tokenizer directory or hub id for the model (dummy weights have "
+                         "none; --structured-regex needs one)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="schedule each step after the one before has finished")
     ap.add_argument("--ttft-only", action="store_true",
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
         engine_kw = dict(dtype=args.dtype, load_format=args.load_format,
                          tensor_parallel_size=args.tensor_parallel_size, **multi)
     else:
-        model = load(args.model, dtype=args.dtype, load_format=args.load_format)
+        model = load(args.model, dtype=args.dtype, load_format=args.load_format,
+                     tokenizer=args.tokenizer)
         vocab_size, engine_kw = model.config.vocab_size, {}
     prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len, vocab_size, 0)
     results: dict = {"model": args.model, "num_prompts": args.num_prompts,
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def print_table(r: dict, args) -> None:
-    print(f"\n{args.model} dummy weights, {args.num_prompts} x ({args.prefix_len} shared + "
+    weights = "dummy weights" if args.load_format == "dummy" else "checkpoint weights"
+    print(f"\n{args.model} {weights}, {args.num_prompts} x ({args.prefix_len} shared + "
           f"{args.unique_len}) tokens, kv cache {args.kv_cache_dtype}, weights "
           f"{args.quantization or 'model dtype'}")
     for out_len in [] if args.ttft_only else args.output_len:

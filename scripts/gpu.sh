@@ -20,6 +20,11 @@
 #   step_sampling  bench_step.py --sampling both: the plain step vs every row with
 #             penalties, min_p, logit bias and 5 logprobs (the extra variant)  ~3 min
 #   engine_sampling  bench_engine.py plain, then --sampling-only: the same, whole engine ~3 min
+#   engine_structured  bench_engine.py on SmolLM2 shapes with its tokenizer: plain, then
+#             every request under a regex grammar (a costly and a cheap mask), masks
+#             overlapped (async) and with the synchronous engine; needs carry
+#             ["bench_data"] holding smollm2_tokenizer/ (`python scripts/workloads.py
+#             tokenizer --output bench_data/smollm2_tokenizer`) and llguidance    ~6 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
 #   fp8_kernels  bench_kernels.py --sections fp8 (decode, bf16 vs fp8 cache) and
 #             bench_gemm.py --xla-only --quantization fp8                      ~3 min
@@ -114,6 +119,19 @@ job_engine_sampling() {  # one engine per process: plain, then every feature on
            --ttft-reps 0)
   run engine_plain 150 "${a[@]}" --output-json "$OUT/engine_plain.json"
   run engine_sampling 150 "${a[@]}" --sampling-only --output-json "$OUT/engine_sampling.json"
+}
+job_engine_structured() {  # one engine per process; the costly mask is ~0.35 ms a row
+  local a=(python3 scripts/bench_engine.py --model smollm2-135m --output-len 128 --skip-off
+           --ttft-reps 0 --tokenizer bench_data/smollm2_tokenizer)
+  run structured_plain 90 "${a[@]}" --output-json "$OUT/structured_plain.json"
+  local g rx
+  for g in costly cheap; do
+    rx='[a-z ]{1024,}'; [ $g = cheap ] && rx='[a-z ]{64}[a-z ]*'
+    run "structured_$g" 90 "${a[@]}" --structured-regex "$rx" \
+      --output-json "$OUT/structured_$g.json"
+    run "structured_${g}_sync" 90 "${a[@]}" --structured-regex "$rx" --no-async-scheduling \
+      --output-json "$OUT/structured_${g}_sync.json"
+  done
 }
 job_hf() {
   run hf 150 python3 scripts/bench_hf.py --model llama-2-7b --num-prompts 64 --batch-size 64 \

