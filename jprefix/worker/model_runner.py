@@ -37,7 +37,7 @@ from jprefix.worker.step import (
     step_sample,
 )
 from jprefix.worker.step_handle import MasksLater, StepHandle, to_host, unorder
-from jprefix.worker.structured import place_bitmask
+from jprefix.worker.structured import step_bitmask
 from models.config import ModelConfig
 
 
@@ -168,8 +168,7 @@ class ModelRunner:
         greedy = not batch["temperature"].any()
         later = self._later = MasksLater(rows, len(batch["logits_idx"]), layout, greedy,
                                           kind.extra) if masks_later else None
-        bitmask = None if not token_masks else place_bitmask(
-            rows, token_masks, len(batch["logits_idx"]), next(iter(token_masks.values())).size)
+        bitmask = step_bitmask(rows, token_masks, len(batch["logits_idx"]))
         self.shapes_seen.add((len(batch["token_ids"]), *batch["block_tables"].shape,
                               kind.decode, kind.cascade, kind.num_decode > 0))
 
@@ -220,8 +219,7 @@ class ModelRunner:
         if later is None or later is not self._later:
             raise RuntimeError("sample() takes the last step dispatched with masks_later")
         self._later = None
-        bitmask = None if not token_masks else place_bitmask(
-            later.rows, token_masks, later.num_rows, next(iter(token_masks.values())).size)
+        bitmask = step_bitmask(later.rows, token_masks, later.num_rows)
 
         def launch() -> None:
             try:

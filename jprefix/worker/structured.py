@@ -31,6 +31,15 @@ def place_bitmask(rows: Seq[Any], masks: dict[Any, np.ndarray], num_rows: int,
     return out
 
 
+def step_bitmask(rows: Seq[Any], masks: dict[Any, np.ndarray] | None,
+                 num_rows: int) -> np.ndarray | None:
+    """`place_bitmask` for a step: None when no row has a mask (the step then traces no
+    mask stage)."""
+    if not masks:
+        return None
+    return place_bitmask(rows, masks, num_rows, next(iter(masks.values())).size)
+
+
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """logits [S, V] float; bitmask [S, W] int32 with W * 32 >= V, bit t % 32 of word
     t // 32 set where token t is allowed. Disallowed tokens get -inf."""
