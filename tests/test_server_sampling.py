@@ -88,7 +88,6 @@ def test_n_choices_are_seeded_indexed_and_equal_the_engine(tiny):
     assert ids == [c.model_dump()["token_ids"] for c in second.choices]
     assert len({tuple(x) for x in ids}) == 3
     assert first.usage.completion_tokens == 12 and first.usage.prompt_tokens == len(PROMPT)
-    tiny.wait_idle()  # (the server's engine thread gone: it would step `generate`'s rows)
     engine = tiny.llm.generate([PROMPT], SamplingParams(n=3, seed=4, temperature=1.0,
                                                         max_tokens=4, ignore_eos=True),
                                use_tqdm=False)[0]
@@ -103,7 +102,6 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(tiny):
         extra_body=extra, **fields)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={9: 2.5},
                         repetition_penalty=1.4, min_p=0.05, **fields)
-    tiny.wait_idle()
     want = tiny.llm.generate([PROMPT], sp, use_tqdm=False)[0].token_ids
     plain = tiny.llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
                                                        ignore_eos=True), use_tqdm=False)[0]
@@ -159,7 +157,6 @@ def test_chat_logprobs_on_the_real_model(smollm2_gguf):
         content = out.choices[0].logprobs.content
         assert "".join(e.token for e in content) == out.choices[0].message.content
         ids = render_chat(model.tokenizer, messages)
-        server.wait_idle()
         gen = server.llm.chat(messages, SamplingParams(temperature=0, max_tokens=6),
                               use_tqdm=False)[0].token_ids
         ref = _ref(model, ids + gen)
