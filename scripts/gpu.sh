@@ -39,7 +39,7 @@
 # cache, so a second process on the same shapes skips most of its compiles.
 # Each job's time limit can be lowered with T_<job>=seconds.
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jprefix-jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 OUT=${OUT:-out}; mkdir -p "$OUT"

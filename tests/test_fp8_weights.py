@@ -11,6 +11,7 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
+from jprefix.worker.step import compiled_steps
 from models.config import ModelConfig
 from models.fp8_linear import (
     FP8,
@@ -105,6 +106,8 @@ def test_engine_with_fp8_weights_equals_dense_reference_on_the_same_weights(
                   quantization="fp8", kv_cache_dtype=kv_cache_dtype,
                   enable_prefix_caching=caching)
         assert isinstance(llm.engine.runner.params.layers.wq, Fp8Weight)
+        # its steps compile with XLA's Triton GEMMs off (worker.xla_flags)
+        assert llm.engine.runner._step is compiled_steps(True)[0] is not compiled_steps(False)[0]
         assert not isinstance(sharp.params.layers.wq, Fp8Weight)  # the caller's untouched
         got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert got == want, caching

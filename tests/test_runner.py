@@ -137,3 +137,25 @@ def test_step_options_disable_rematerialization_and_keep_passes_already_disabled
     flags = "--xla_gpu_enable_command_buffer= --xla_disable_hlo_passes=foo,rematerialization,bar"
     assert step_compiler_options(flags) == {"xla_disable_hlo_passes": "rematerialization,foo,bar"}
     assert step_compiler_options(flags, keep_remat=True) == {}
+
+
+def test_fp8_weight_steps_turn_xla_triton_gemms_off_unless_told(monkeypatch):
+    """A step over fp8 weights compiles with XLA's Triton GEMM emitter off (its per-fusion
+    autotuning kept a 7B engine compiling for minutes), unless XLA_FLAGS sets the flag or
+    JPREFIX_XLA_TRITON_GEMM=1; other steps keep XLA's default."""
+    from jprefix.worker.step import compiled_steps, step, step_logits
+    from jprefix.worker.xla_flags import step_compiler_options
+
+    monkeypatch.delenv("JPREFIX_XLA_TRITON_GEMM", raising=False)
+    assert step_compiler_options("", fp8_weights=True) == {
+        "xla_disable_hlo_passes": "rematerialization", "xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options("", keep_remat=True, fp8_weights=True) == {
+        "xla_gpu_enable_triton_gemm": False}
+    assert "xla_gpu_enable_triton_gemm" not in step_compiler_options("")
+    assert "xla_gpu_enable_triton_gemm" not in step_compiler_options(
+        "--xla_gpu_enable_triton_gemm=true", fp8_weights=True)
+    monkeypatch.setenv("JPREFIX_XLA_TRITON_GEMM", "1")
+    assert "xla_gpu_enable_triton_gemm" not in step_compiler_options("", fp8_weights=True)
+    assert compiled_steps(False) == (step, step_logits)
+    fp8_steps = compiled_steps(True)
+    assert fp8_steps is compiled_steps(True) and set(fp8_steps).isdisjoint({step, step_logits})

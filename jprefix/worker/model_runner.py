@@ -31,14 +31,14 @@ from jprefix.worker.params import prepare_params
 from jprefix.worker.step import (
     BACKENDS,
     KVCache,
+    compiled_steps,
     default_backend,
-    step,
-    step_logits,
     step_sample,
 )
 from jprefix.worker.step_handle import MasksLater, StepHandle, to_host, unorder
 from jprefix.worker.structured import step_bitmask
 from models.config import ModelConfig
+from models.fp8_linear import FP8
 
 
 class ModelRunner:
@@ -95,6 +95,8 @@ class ModelRunner:
             params = moved
         self.params = prepare_params(params, cfg, mesh, unroll_layers, donate_params,
                                      quantization)
+        self._step, self._step_logits = compiled_steps(any(  # (weights quantised to fp8)
+            x.dtype == FP8 for x in jax.tree.leaves(self.params)))
         cfg = cfg if mesh is None else tp_config(cfg, mesh.size)  # the step's kv heads
         self.cfg, self.backend, self.mesh = cfg, backend, mesh
         self.block_size = block_size
@@ -180,7 +182,7 @@ class ModelRunner:
                                        ) from self._failed
                 if later is not None:
                     flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
-                    *logits, self._kv_cache = step_logits(
+                    *logits, self._kv_cache = self._step_logits(
                         self.params, self._kv_cache, flat_in, self._last_tokens, layout=layout,
                         cfg=self.cfg, backend=self.backend, decode=kind.decode,
                         cascade=kind.cascade, mesh=self.mesh, extra=kind.extra)
@@ -248,7 +250,7 @@ class ModelRunner:
             flat = self.channel.global_array(flat)
             bitmask = None if bitmask is None else self.channel.global_array(bitmask)
         flat_in = flat if self.fixed_inputs is None else self.fixed_inputs(flat)
-        tokens, self._kv_cache, *logprobs = step(
+        tokens, self._kv_cache, *logprobs = self._step(
             self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
             layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
             greedy=greedy, cascade=cascade, mesh=self.mesh, extra=extra)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +208,18 @@ def step_sample(logits: jax.Array, prompt_logits: jax.Array | None, token_ids: j
     tokens, logprobs = _sample(logits, prompt_logits, unflatten_batch(flat, layout),
                                token_ids, prev_tokens, token_bitmask, greedy, extra, mesh)
     return tokens if logprobs is None else (tokens, logprobs)
+
+
+@functools.cache
+def compiled_steps(fp8_weights: bool) -> tuple[Callable, Callable]:
+    """(`step`, `step_logits`) as jitted for params with fp8 linear weights or without:
+    the same functions under `xla_flags.step_compiler_options(fp8_weights=...)`."""
+    if not fp8_weights:
+        return step, step_logits
+    options = xla_flags.step_compiler_options(fp8_weights=True)
+    return tuple(jax.jit(f.__wrapped__, static_argnames=static, donate_argnames=("kv_cache",),
+                         compiler_options=options)
+                 for f, static in ((step, (*_STATIC, "greedy")), (step_logits, _STATIC)))
 
 
 def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
