@@ -68,8 +68,7 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     page ids are this step's, loaded one step ahead so that the K/V gather does not wait
     on the block-table load. `alibi` (with `cfg.alibi`): per row, the slope in the
     units of x, float32 [R], and the tile's anchor position (int32 scalar,
-    `alibi.alibi_tile_terms`), and with `cfg.alibi_tile` the slope times each key's
-    offset in its step, [R, keys_per_step]. With `cfg.alibi_folded` x is the raw dot product plus
+    `alibi.alibi_tile_terms`). With `cfg.alibi_folded` x is the raw dot product plus
     the bias over the scale, and `unit` = scale * log2(e) scales it inside exp2.
     `scale_refs` (with `cfg.kv_fp8`): the K and V scales, [L*K*N*B] float32 each.
     """
@@ -93,14 +92,9 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     else:
         x = _dot_qk(q, k)
     x = x if cfg.alibi_folded else _logits(x, cfg)
-    shift = None  # (alibi_tile) this step's per-row bias, in x's units
-    if cfg.alibi:
-        slope, anchor, *tile = alibi
-        if tile:  # the tile of slope * (key_pos - j * block_kv), made once
-            x = x + tile[0]
-            shift = slope * (j * cfg.block_kv - anchor).astype(jnp.float32)
-        else:  # slope * (key_pos - anchor): one multiply-add per logit
-            x = x + slope[:, None] * (key_pos - anchor).astype(jnp.float32)[None, :]
+    if cfg.alibi:  # slope * (key_pos - anchor): one multiply-add per logit
+        slope, anchor = alibi
+        x = x + slope[:, None] * (key_pos - anchor).astype(jnp.float32)[None, :]
     if cfg.heads_per_tile > 1:  # each row sees only its own head's keys
         x = jnp.where((kk // cfg.block_kv)[None, :] == row_head[:, None], x, -jnp.inf)
     if masked:
@@ -109,12 +103,7 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
         else:
             visible = key_pos[None, :] < kv_len
         x = jnp.where(visible, x, -jnp.inf)
-    if shift is not None:  # the logits are x + shift: shift joins the per-row terms
-        unit = cfg.scale * LOG2E if cfg.alibi_folded else 1.0
-        m_new = jnp.maximum(m, (x.max(axis=1) + shift) * unit)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(x * unit + (shift * unit - m_new)[:, None])
-    elif cfg.alibi_folded:  # (unit > 0: the max commutes with the scale)
+    if cfg.alibi_folded:  # (unit > 0: the max commutes with the scale)
         unit = cfg.scale * LOG2E
         m_new = jnp.maximum(m, x.max(axis=1) * unit)
         alpha = jnp.exp2(m - m_new)
@@ -206,9 +195,7 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         slope, anchor, row_shift = alibi_tile_terms(
             slopes_ref[head], tok, first_pos, kv_len, causal=cfg.causal,
             unit=cfg.scale * LOG2E if cfg.alibi_folded else 1.0)
-        kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32) % cfg.block_kv  # (as `_step`)
-        tile = (slope[:, None] * kk.astype(jnp.float32)[None, :],) if cfg.alibi_tile else ()
-        step = functools.partial(step, alibi=(slope, anchor, *tile))
+        step = functools.partial(step, alibi=(slope, anchor))
     carry = (
         jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
         jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),

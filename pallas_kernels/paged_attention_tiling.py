@@ -44,11 +44,6 @@ class BlockSizes:
     mask_kv: bool = True  # edge steps skip loading keys past kv_len
     # decode tiling: KV heads per tile, each row masked to its own head's keys
     heads_per_tile: int = 1
-    # ALiBi: the bias's within-step part as a [rows, keys] tile made once per program and
-    # added to each step's dot (Triton may fold the add into the matmul's accumulator),
-    # the per-step rest a per-row offset of the max and exp2's argument; off: one
-    # multiply-add per logit (docs/KERNEL_NOTES.md, ALiBi)
-    alibi_tile: bool = False
 
 
 def prefill_kv_splits(num_tokens: int, num_heads: int, num_kv_heads: int, block_q: int,
@@ -148,7 +143,6 @@ class KernelConfig:
     # for short contexts, where a program's fixed latency dominates)
     heads_per_tile: int = 1
     alibi: bool = False  # add slope_h * (k_pos - q_pos) to the logits ([H] slopes input)
-    alibi_tile: bool = False  # (with alibi) BlockSizes.alibi_tile
     kv_fp8: bool = False  # fp8 caches with float32 scales per row (two scales inputs)
 
     @property
@@ -185,7 +179,7 @@ def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[i
         dump_rows=interpret, prefetch_pages=bs.prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=bs.single_loop, evict_first=bs.evict_first,
         mask_q=bs.mask_q, mask_kv=bs.mask_kv, heads_per_tile=bs.heads_per_tile,
-        alibi=alibi, alibi_tile=alibi and bs.alibi_tile, kv_fp8=kv_fp8,
+        alibi=alibi, kv_fp8=kv_fp8,
     )
 
 
