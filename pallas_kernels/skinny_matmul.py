@@ -12,6 +12,13 @@ that sum with whatever follows, e.g. the residual add).
 
 `act="silu_mul"` fuses the gated MLP: w is [gate | up] ([K, 2F]) and the output is
 silu(x @ gate) * (x @ up) [M, F]; a program loads the matching columns of both halves.
+
+fp8 weights (`scales`, `models.fp8_linear`): w is the fp8 [N, K] matrix (transposed),
+x the activations' fp8 values held in a 16-bit dtype (exact there), with a float32
+scale per row and per output column. A program converts its weight tiles to x's dtype
+in registers (exact) and multiplies in float32, then scales its columns once: the
+arithmetic of `fp8_matmul` (per-row activation quantisation, so a row's result does not
+depend on the other rows) with half the weight bytes of a 16-bit matmul.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import FLOAT_DTYPES, is_pow2
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)  # (models.fp8_linear's weight format)
 
 ACTIVATIONS = (None, "silu_mul")
 # Where the kernel is chosen over XLA's matmul (`skinny_tiling`): up to 16 rows, with
@@ -64,21 +73,28 @@ def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
     return MatmulTiling(block_n=64, block_k=block_k, num_stages=3 if act else 4)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None,
-                   num_rows: int, k_per_split: int, up_offset: int):
-    """x_ref [M, K], w_ref [K, N_w], o_ref [M, N_out] (k_splits 1) or [k_splits * M, N_out]
-    float32 partials; program (j, s) computes columns j*block_n.. over K split s."""
+def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
+                   num_rows: int, k_per_split: int, up_offset: int, fp8: bool):
+    """x_ref [M, K], w_ref [K, N_w] (`fp8`: [N_w, K] fp8, then refs start with the row
+    scales [M, 1] and column scales [1, N_w], float32), o_ref [M, N_out] (k_splits 1) or
+    [k_splits * M, N_out] float32 partials; program (j, s) computes columns j*block_n..
+    over K split s."""
+    *scale_refs, o_ref = refs
     j, s = pl.program_id(0), pl.program_id(1)
     bn, bk = tiling.block_n, tiling.block_k
     n0 = pl.multiple_of(j * bn, bn)
     k_lo = s * k_per_split
+
     def load_w(k0, col0):  # (each weight byte is read once: evict it first)
+        if fp8:  # [bn, bk] fp8 -> x's dtype, exact
+            return plgpu.load(w_ref.at[pl.ds(col0, bn), pl.ds(k0, bk)],
+                              eviction_policy="evict_first").astype(x_ref.dtype)
         return plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)],
                           eviction_policy="evict_first")
 
     # float32 inputs multiply in full precision (Triton's default for them is TF32)
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
-    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+    dot = functools.partial(plgpu.dot, trans_b=fp8, precision=precision)
 
     def body(i, accs):
         k0 = pl.multiple_of(k_lo + i * bk, bk)
@@ -90,6 +106,10 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None
 
     zeros = jnp.zeros((num_rows, bn), jnp.float32)
     accs = lax.fori_loop(0, k_per_split // bk, body, (zeros,) * (1 + (act == "silu_mul")))
+    if fp8:  # y * row scale * column scale, as fp8_matmul (each partial: the sum is linear)
+        row_scale, col_scale = scale_refs
+        accs = tuple(a * row_scale[...] * col_scale[:, pl.ds(col0, bn)]
+                     for a, col0 in zip(accs, (n0, up_offset + n0)[:len(accs)], strict=True))
     if tiling.k_splits > 1:
         o_ref[pl.ds(s * num_rows, num_rows), pl.ds(n0, bn)] = accs[0]
         return
@@ -104,19 +124,28 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, tiling: MatmulTiling, act: str | None
     o_ref[:, pl.ds(n0, bn)] = result.astype(o_ref.dtype)
 
 
-def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: MatmulTiling
-                        ) -> None:
+def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: MatmulTiling,
+                        scales: tuple[jax.Array, jax.Array] | None = None) -> None:
     """Raises ValueError naming the shape, dtype or tiling value the kernel cannot take."""
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"x {x.shape} and w {w.shape} must both be 2-D")
-    if x.shape[1] != w.shape[0]:
+    w_k, w_n = w.shape[::-1] if scales is not None else w.shape
+    if x.shape[1] != w_k:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
-    if x.dtype != w.dtype or x.dtype not in FLOAT_DTYPES:
+    if scales is not None:
+        if w.dtype != FP8 or x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"with scales, w ({w.dtype}) must be {FP8} [N, K] and x "
+                             f"({x.dtype}) a float dtype holding fp8 values")
+        shapes = tuple(tuple(jnp.shape(a)) for a in scales)
+        if shapes != ((x.shape[0],), (w_n,)):
+            raise ValueError(f"scales {shapes} must be [M] = [{x.shape[0]}] and "
+                             f"[N] = [{w_n}] for x {x.shape} and w {w.shape}")
+    elif x.dtype != w.dtype or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x ({x.dtype}) and w ({w.dtype}) must share a float dtype")
     if act not in ACTIVATIONS:
         raise ValueError(f"act {act!r} is not one of {ACTIVATIONS}")
     m, k = x.shape
-    n = w.shape[1] // (2 if act == "silu_mul" else 1)
+    n = w_n // (2 if act == "silu_mul" else 1)
     if not _rows_ok(m):
         raise ValueError(f"x has {m} rows: a power of 2 >= 16 is needed (pad the rows)")
     if not all(b >= 16 and is_pow2(b) for b in (tiling.block_n, tiling.block_k)):
@@ -124,7 +153,7 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
                          "powers of 2 >= 16 (Triton's smallest dot)")
     if tiling.k_splits < 1:
         raise ValueError(f"k_splits {tiling.k_splits} must be >= 1")
-    if act == "silu_mul" and w.shape[1] % 2:
+    if act == "silu_mul" and w_n % 2:
         raise ValueError(f"w {w.shape} has an odd number of columns: silu_mul needs [gate | up]")
     if n % tiling.block_n:
         raise ValueError(f"output columns {n} (w {w.shape}, act {act}) are not a multiple of "
@@ -139,19 +168,24 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
 
 @functools.partial(jax.jit, static_argnames=("act", "tiling", "interpret"))
 def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
-                  tiling: MatmulTiling = MatmulTiling(), interpret: bool = False
-                  ) -> jax.Array:
+                  tiling: MatmulTiling = MatmulTiling(), interpret: bool = False,
+                  scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation; M a power of 2
     >= 16, N a multiple of block_n, K of block_k x k_splits); with
-    `act="silu_mul"`, w is [K, 2F] and the result silu(x @ w[:, :F]) * (x @ w[:, F:])."""
-    check_matmul_inputs(x, w, act, tiling)
+    `act="silu_mul"`, w is [K, 2F] and the result silu(x @ w[:, :F]) * (x @ w[:, F:]).
+    `scales` = (row scales [M], column scales [N]) float32: w is fp8 [N, K] and the
+    product (x @ w.T) * row scale * column scale (module docstring)."""
+    check_matmul_inputs(x, w, act, tiling, scales)
     m, k = x.shape
-    n = w.shape[1] // (2 if act == "silu_mul" else 1)
+    n = (w.shape[0] if scales is not None else w.shape[1]) // (2 if act == "silu_mul" else 1)
     splits = tiling.k_splits
     out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if splits == 1
                  else jax.ShapeDtypeStruct((splits * m, n), jnp.float32))
     kernel = functools.partial(_matmul_kernel, tiling=tiling, act=act, num_rows=m,
-                               k_per_split=k // splits, up_offset=n)
+                               k_per_split=k // splits, up_offset=n, fp8=scales is not None)
+    inputs = (x, w)
+    if scales is not None:
+        inputs += (scales[0].astype(jnp.float32)[:, None], scales[1].astype(jnp.float32)[None])
     out = pl.pallas_call(
         kernel,
         grid=(n // tiling.block_n, splits),
@@ -160,8 +194,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=tiling.num_stages),
         name=f"skinny_matmul_n{tiling.block_n}_k{tiling.block_k}_s{splits}"
-             + ("_silu" if act else ""),
-    )(x, w)
+             + ("_silu" if act else "") + ("_fp8" if scales is not None else ""),
+    )(*inputs)
     if splits == 1:
         return out
     return out.reshape(splits, m, n).sum(axis=0).astype(x.dtype)

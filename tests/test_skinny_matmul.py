@@ -137,3 +137,69 @@ def test_runner_linear_on_gpu_matches_xla_on_a_7b_layer(n, act):
     ref = np.asarray(dense_linear(x.astype(jnp.float32), w.astype(jnp.float32), act))
     assert rel_err(linear(x, w, act), ref) < TOL[jnp.bfloat16]
     assert rel_err(dense_linear(x, w, act), ref) < TOL[jnp.bfloat16]
+
+
+FP8_CASES = [(m, k, n, act, t, dt)
+             for (m, k, n), act, t, dt in itertools.product(
+                 [(16, 256, 64), (32, 128, 192)], [None, "silu_mul"], TILINGS,
+                 [jnp.float32, jnp.bfloat16])
+             if not (act and t.k_splits > 1)
+             and (n // (2 if act else 1)) % t.block_n == 0
+             and k % (t.block_k * t.k_splits) == 0]
+
+
+@pytest.mark.parametrize("m,k,n,act,tiling,dtype", FP8_CASES)
+def test_fp8_weights_match_the_models_fp8_matmul(m, k, n, act, tiling, dtype):
+    """fp8 weights ([N, K] fp8 + column scales) and per-row quantised activations: the
+    kernel computes `fp8_matmul`'s product (the fp8 values exact in x's dtype, float32
+    sums in another order), every column written by every split."""
+    from models.fp8_linear import fp8_matmul, quantize_activations, quantize_weight
+    from models.llama import dense_linear
+
+    x, w = make(np.random.default_rng(m * n + k), m, k, n, dtype)
+    x = x * jnp.asarray(np.geomspace(0.01, 100, m)[:, None], dtype)  # rows of every size
+    wq = quantize_weight(w)
+    x8, row_scale = quantize_activations(x)
+    out = skinny_matmul(x8.astype(dtype), wq.w8, act=act, tiling=tiling, interpret=INTERPRET,
+                        scales=(row_scale[:, 0], wq.scale))
+    ref = np.asarray(dense_linear(x.astype(jnp.float32), wq, act), np.float64)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else TOL[dtype])
+    if act is None:  # against fp8_matmul in x's own dtype too
+        assert rel_err(out, np.asarray(fp8_matmul(x, wq), np.float64)) < TOL[jnp.bfloat16]
+
+
+def test_fp8_scales_are_checked():
+    from models.fp8_linear import quantize_weight
+
+    x, w = make(np.random.default_rng(0), 16, 64, 64, jnp.float32)
+    wq = quantize_weight(w)
+    with pytest.raises(ValueError, match=r"scales .*\[M\] = \[16\]"):
+        skinny_matmul(x, wq.w8, scales=(jnp.ones(8), wq.scale), interpret=True)
+    with pytest.raises(ValueError, match="must be float8_e4m3fn"):
+        skinny_matmul(x, w, scales=(jnp.ones(16), jnp.ones(64)), interpret=True)
+    with pytest.raises(ValueError, match="must share a float dtype"):
+        skinny_matmul(x, wq.w8, interpret=True)
+
+
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+def test_runner_linear_takes_fp8_weights_through_the_kernel_on_few_rows(act):
+    """`_linear` on an Fp8Weight: the kernel's fp8 variant for few rows, with the row
+    quantisation of `fp8_matmul` (so a row's result does not depend on the batch), and
+    XLA's fp8 matmul for many rows."""
+    from jprefix.worker.step import _linear
+    from models.fp8_linear import quantize_weight
+    from models.llama import dense_linear
+
+    linear = _linear("pallas-interpret", None)
+    rng = np.random.default_rng(3)
+    x, w = make(rng, 16, 64, 256, jnp.float32)
+    wq = quantize_weight(w)
+    x3 = x.reshape(2, 8, 64)
+    assert _pallas_calls(lambda a: linear(a, wq, act), x3) == 1
+    np.testing.assert_allclose(linear(x3, wq, act), dense_linear(x3, wq, act),
+                               rtol=2e-5, atol=2e-5)
+    alone = linear(jnp.concatenate([x[:1], jnp.zeros((15, 64))]), wq, act)[0]
+    np.testing.assert_allclose(alone, linear(x, wq, act)[0], rtol=1e-6, atol=1e-6)
+    big = jnp.zeros((64, 64), jnp.float32)  # 64 rows: XLA's fp8 matmul
+    assert _pallas_calls(lambda a: linear(a, wq, act), big) == 0

@@ -36,7 +36,7 @@ from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
 from models.config import ModelConfig
-from models.fp8_linear import Fp8Weight
+from models.fp8_linear import Fp8Weight, quantize_activations
 from models.llama import (
     LinearFn,
     QKVAttnFn,
@@ -88,22 +88,28 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
 def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
     columns; one device), XLA's elsewhere (and for a mesh's row-parallel matmuls, whose
-    all-reduce XLA inserts). Interpret mode takes the kernel for any number of output
-    columns (the rows' limit stays), so that the CPU tests' small models run it."""
+    all-reduce XLA inserts). fp8 weights take the same choice, with the kernel's fp8
+    variant (`fp8_matmul`'s arithmetic, reading the fp8 bytes). Interpret mode takes
+    the kernel for any number of output columns (the rows' limit stays), so that the CPU
+    tests' small models run it."""
     if backend == "xla" or mesh is not None:
         return dense_linear
     interpret = backend == "pallas-interpret"
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
 
     def linear(x, w, act=None):
-        if isinstance(w, Fp8Weight):  # fp8 weights: the model's fp8 matmul
-            return dense_linear(x, w, act)
+        fp8 = isinstance(w, Fp8Weight)
         n = w.shape[1] // (2 if act == "silu_mul" else 1)
         x2 = x.reshape(-1, x.shape[-1])
         tiling = skinny_tiling(*x2.shape, n, act, min_programs=min_programs)
-        if tiling is None or x.dtype != w.dtype:
+        if tiling is None or (not fp8 and x.dtype != w.dtype):
             return dense_linear(x, w, act)
-        out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
+        if fp8:  # the activations quantised per row as fp8_matmul does, fp8 weights read
+            x8, row_scale = quantize_activations(x2)
+            out = skinny_matmul(x8.astype(x.dtype), w.w8, act=act, tiling=tiling,
+                                interpret=interpret, scales=(row_scale[:, 0], w.scale))
+        else:
+            out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
         return out.reshape(*x.shape[:-1], n)
 
     return linear
