@@ -10,7 +10,9 @@ weights read and against the 4.3 TB/s copy floor. Each timed call multiplies by
 `copies` distinct weights (>= 256 MB in all), so the L2 cache cannot hold them between
 calls, as in the model where every layer has its own. `--quantization fp8` also times
 the fp8 path of the same matmuls (`models.fp8_linear`: per-channel fp8 weights, per-token
-fp8 activations, XLA's fp8 dot), with its error against the bf16 result.
+fp8 activations, XLA's fp8 dot), with its error against the bf16 result, and the engine's
+choice for the rows (`worker.step._linear`: skinny_matmul's fp8 variant where it takes
+the rows, else the same XLA dot).
 
     PYTHONPATH=$PWD python scripts/bench_gemm.py --output-json out/gemm.json
 """
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jprefix.worker.step import _linear
 from models.fp8_linear import quantize_weight
 from models.llama import dense_linear
 from pallas_kernels.skinny_matmul import (
@@ -91,6 +94,11 @@ def bench_case(name, m, shape, args, interpret):
         fp8 = jax.jit(lambda x, qws: [dense_linear(x, w, act) for w in qws])
         row["fp8_us"] = time_matmul(fp8, x, qws, interpret, device=True) * 1e6
         row["fp8_err"] = rel_err(fp8(x, qws[:1])[0], ref)
+        # the engine's choice for these rows: skinny_matmul's fp8 variant or XLA's fp8 dot
+        lin = _linear("pallas-interpret" if interpret else "pallas", None)
+        engine = jax.jit(lambda x, qws: [lin(x, w, act) for w in qws])
+        row["fp8_engine_us"] = time_matmul(engine, x, qws, interpret, device=True) * 1e6
+        row["fp8_engine_err"] = rel_err(engine(x, qws[:1])[0], ref)
 
     def ours(t):
         return jax.jit(lambda x, ws: [skinny_matmul(x, w, act=act, tiling=t,
@@ -132,7 +140,8 @@ def line(row):
     best = row.get("best", {}).get("tiling", {})
     best = ", ".join(f"{k} {v}" for k, v in best.items())
     fp8 = (f"  fp8 {row['fp8_us']:7.1f} us ({row['xla_us'] / row['fp8_us']:.2f}x, err "
-           f"{row['fp8_err']:.3f})" if "fp8_us" in row else "")
+           f"{row['fp8_err']:.3f}), engine's {row['fp8_engine_us']:7.1f} us "
+           f"({row['xla_us'] / row['fp8_engine_us']:.2f}x)" if "fp8_us" in row else "")
     return (f"{row['name']:8s} M {row['m']:4d}  floor {row['floor_us']:6.1f} us  "
             f"xla {cell(row['xla_us'])}  ours {cell(row.get('best_us'))}  ({best})" + fp8)
 

@@ -141,7 +141,7 @@ job_fp8_kernels() {
   run fp8_kernels 200 python3 scripts/bench_kernels.py --sections fp8 \
     --output-json "$OUT/fp8_kernels.json"
   run fp8_gemm 200 python3 scripts/bench_gemm.py --xla-only --quantization fp8 \
-    --rows 1 128 256 4096 --output-json "$OUT/fp8_gemm.json"
+    --rows 1 16 128 256 4096 --output-json "$OUT/fp8_gemm.json"
 }
 job_fp8_engine() {  # same process family, one mode per process; KV capacity in the JSON
   local a=(python3 scripts/bench_engine.py "${M[@]}" --output-len 128 --skip-off --ttft-reps 9)
