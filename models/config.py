@@ -26,7 +26,9 @@ class ModelConfig:
     and biases attention logits by `slope_h * (k_pos - q_pos)` instead, with the slopes of
     `models.alibi.alibi_slopes(num_heads)`. `norm_head` (Baichuan2's NormHead): the logits
     use lm_head rows L2-normalised over E; `Params.lm_head` holds them normalised (the
-    loaders and init_params normalise once).
+    loaders and init_params normalise once). `checkpoint_quantization` "fp8": the
+    checkpoint stores its linear weights in fp8 with scales (`fp8_checkpoint`); the
+    loader dequantises them and the engine serves with `quantization="fp8"`.
     """
 
     arch: str
@@ -49,6 +51,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     position_embedding: str = "rope"
     norm_head: bool = False
+    checkpoint_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -80,15 +83,14 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build a config from a Hugging Face config.json dict (transformers 4 or 5 layout).
-        An already-quantised checkpoint (`quantization_config`: fp8, compressed-tensors,
-        GPTQ, ...) is refused: its weights need their own scales to load."""
-        quant = hf.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"the checkpoint is already quantised (quantization_config "
-                             f"quant_method={method!r}), which jprefix does not load: load "
-                             "its float (bf16/fp16/fp32) checkpoint and pass "
-                             "quantization='fp8' to quantise it at load time")
+        A `quantization_config` must describe fp8 weights (`fp8_checkpoint`)."""
+        quant = fp8_checkpoint(hf["quantization_config"]) if hf.get("quantization_config") \
+            else None
+        cfg = cls._from_hf(hf)
+        return cfg if quant is None else dataclasses.replace(cfg, checkpoint_quantization=quant)
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         arch = _hf_arch(hf)
         if arch == "baichuan":
             return _from_baichuan_config(hf)
@@ -121,6 +123,43 @@ class ModelConfig:
 
 
 from_hf_config = ModelConfig.from_hf_config
+
+_FLOAT_PROJECT = ("load its float (bf16/fp16/fp32) checkpoint and pass quantization='fp8' "
+                  "to quantise it at load time")
+
+
+def fp8_checkpoint(quant: Any) -> str:
+    """"fp8" for a config.json `quantization_config` whose linear weights are float8 e4m3
+    with float scales, which the safetensors loader dequantises (per tensor, per output
+    channel, or per block: its `weight_scale` / `weight_scale_inv` tensors): llm-compressor's
+    compressed-tensors "float-quantized" format with 8-bit float weights, and the "fp8"
+    method (AutoFP8's per-tensor scales, or `weight_block_size` blocks). The engine then
+    quantises activations per token at run time, also where the checkpoint carries static
+    input scales, and picks its KV cache format by `kv_cache_dtype`, not by a
+    `kv_cache_scheme`. Else ValueError naming what is not supported."""
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method == "fp8":
+        return "fp8"
+    if method != "compressed-tensors":
+        raise ValueError(f"the checkpoint is quantised with quant_method={method!r}, which "
+                         f"jprefix does not load (only fp8 weights: 'fp8' or "
+                         f"'compressed-tensors' float-quantized): {_FLOAT_PROJECT}")
+    if quant.get("format") not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors format {quant.get('format')!r} is not "
+                         f"supported (only 'float-quantized' fp8 weights): {_FLOAT_PROJECT}")
+    groups = quant.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"compressed-tensors quantization_config has no config_groups: "
+                         f"{_FLOAT_PROJECT}")
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in (
+                "tensor", "channel", "block"):
+            raise ValueError(
+                f"compressed-tensors group {name!r} has weights {w.get('type')!r} "
+                f"{w.get('num_bits')}-bit by {w.get('strategy')!r}: only 8-bit float "
+                f"weights per tensor, channel or block load; {_FLOAT_PROJECT}")
+    return "fp8"
 
 
 def _hf_arch(hf: dict[str, Any]) -> str:

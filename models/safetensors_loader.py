@@ -6,6 +6,12 @@ Q/K/V into one `self_attn.W_pack.weight` [3E, E] (rows: q, then k, then v) and i
 `models.llama.normalize_head`). PyTorch `.bin` checkpoints (what the Baichuan2 repositories
 ship) are not read: convert them to safetensors first.
 
+An fp8 checkpoint (`models.config.fp8_checkpoint`) stores linear weights as F8_E4M3
+beside a float `<name>_scale` (or DeepSeek-style `<name>_scale_inv`) of one value, one
+per output row, or one per [b0, b1] block; each is read dequantised (float32, value times
+its scale) and the engine quantises it again per output channel (`quantization="fp8"`),
+which gives back a per-channel checkpoint's fp8 values.
+
 The safetensors format is read directly (8-byte header length, JSON header, raw data) through a
 read-only memory map, so tensors are paged in one at a time and truncation is detected from
 the header's offsets before any tensor is touched.
@@ -28,8 +34,9 @@ from models.weights import build_params
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "F8_E4M3": jnp.float8_e4m3fn,
 }
+_FP8 = np.dtype(jnp.float8_e4m3fn)
 
 _TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
               "lm_head": "lm_head.weight"}
@@ -150,6 +157,26 @@ def open_tensors(directory: Path) -> dict[str, SafetensorsFile]:
     return where
 
 
+def dequantize_fp8(w8: np.ndarray, scale: np.ndarray, where: str) -> np.ndarray:
+    """An fp8 [out, in] tensor times its scale: a scalar ([] or [1]), per output row
+    ([out] or [out, 1]) or per block ([ceil(out / b0), ceil(in / b1)]); float32."""
+    out, inn = w8.shape
+    scale = np.asarray(scale, np.float32)
+    if scale.size == 1:
+        s = scale.reshape(())
+    elif scale.shape in ((out,), (out, 1)):
+        s = scale.reshape(out, 1)
+    elif scale.ndim == 2:
+        b0, b1 = -(-out // scale.shape[0]), -(-inn // scale.shape[1])
+        if (-(-out // b0), -(-inn // b1)) != scale.shape:
+            raise ValueError(f"{where}: block scales {scale.shape} do not tile {w8.shape}")
+        s = np.repeat(np.repeat(scale, b0, axis=0), b1, axis=1)[:out, :inn]
+    else:
+        raise ValueError(f"{where}: scale of shape {scale.shape} for a {w8.shape} weight "
+                         "(one value, one per output row, or one per block)")
+    return w8.astype(np.float32) * s
+
+
 def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = None,
                        ) -> tuple[Params, ModelConfig]:
     """Read a HF checkpoint directory into device Params of `dtype`."""
@@ -161,6 +188,13 @@ def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = N
         if name not in tensors:
             raise ValueError(f"{directory}: missing tensor {name}")
         arr, where = tensors[name].get(name), f"{tensors[name].path}: tensor {name}"
+        if arr.dtype == _FP8:
+            scale = next((n for n in (name + "_scale", name + "_scale_inv") if n in tensors),
+                         None)
+            if scale is None or arr.ndim != 2:
+                raise ValueError(f"{where} is fp8 {tuple(arr.shape)} without its "
+                                 f"{name}_scale tensor")
+            arr = dequantize_fp8(arr, tensors[scale].get(scale), where)
         if cfg.arch == "baichuan":
             arr = _baichuan_tensor(cfg, field, name, arr, where)
         return arr, where

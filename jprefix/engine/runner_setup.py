@@ -51,7 +51,9 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
         fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,
         multi_process=multi,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        # an fp8 checkpoint, loaded dequantised, is served in fp8 (models.config)
+        quantization=args.quantization or cfg.checkpoint_quantization,
     )
     if multi:  # processes other than 0 follow process 0's steps here, then exit
         multihost.start(runner)
