@@ -54,7 +54,6 @@ def test_a_failed_launch_fails_every_later_step_clearly(monkeypatch):
     instead of running on a consumed cache and stale pending tokens."""
     import pytest
 
-    import jprefix.worker.model_runner as runner_mod
     from jprefix import SamplingParams
     from scripts.memcheck import synthetic_rows
 
@@ -64,7 +63,7 @@ def test_a_failed_launch_fails_every_later_step_clearly(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device fault")
 
-    monkeypatch.setattr(runner_mod, "step", broken)
+    monkeypatch.setattr(llm.engine.runner, "_step", broken)  # (its compiled step)
     with pytest.raises(RuntimeError, match="device fault"):
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     monkeypatch.undo()
