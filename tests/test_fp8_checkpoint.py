@@ -96,6 +96,13 @@ def test_fp8_checkpoint_loads_dequantised_and_serves_in_fp8(scheme, tmp_path):
     assert got == [dense_generate(qparams, cfg, p, 6, eos_token_ids=()) for p in prompts]
 
 
+def test_fp8_checkpoint_with_tensor_parallelism_is_refused_before_loading(tmp_path):
+    _write(tmp_path, "channel")
+    with pytest.raises(ValueError, match="fp8 checkpoint runs on one device: "
+                                         "tensor_parallel_size 2"):
+        LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=16)
+
+
 def test_fp8_checkpoint_without_its_scales_is_refused(tmp_path):
     _write(tmp_path, "channel")
     state = safetensors.torch.load_file(tmp_path / "model.safetensors")

@@ -33,6 +33,10 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
                                  args.process_id, args.distributed_timeout_s)
     owned = not isinstance(model, LoadedModel)
     cfg = model_config(model, args.load_format) if owned else model.config
+    if cfg.checkpoint_quantization and args.tensor_parallel_size > 1:  # (before loading)
+        raise ValueError(f"an {cfg.checkpoint_quantization} checkpoint runs on one device: "
+                         f"tensor_parallel_size {args.tensor_parallel_size} needs its float "
+                         "checkpoint")
     mesh = make_mesh(cfg, args.tensor_parallel_size, devices)
     if multi:
         if args.data_parallel_size > 1:
