@@ -73,6 +73,8 @@ EQUAL = COMMON + textwrap.dedent("""
                                        zip(s.logprobs, s.token_ids)]) for s in o.samples]
                        for o in got]
     assert samples[1] == samples[2], samples
+    views = [r.structured for r in llm.engine.replicas]  # one grammar view per replica
+    assert views[0] is not views[1] and views[0]._matchers is views[1]._matchers
     assert len({tuple(t) for t, _ in samples[1][0]}) > 1  # distinct samples
     print(json.dumps({str(k): v == first for k, v in out.items()}))
     assert all(v == first for v in out.values())

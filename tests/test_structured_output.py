@@ -229,3 +229,22 @@ def test_masks_are_filled_while_the_next_step_runs_and_equal_the_sync_path(smol)
         assert got.keys() == exp.keys()
         np.testing.assert_allclose([v.logprob for v in got.values()],
                                    [exp[k].logprob for k in got], rtol=1e-5, atol=1e-5)
+
+
+def test_replica_views_share_the_matchers_but_each_waits_only_for_its_own_sequences(smol):
+    """Data parallelism: the front compiles each grammar once; each replica's view finds
+    every matcher but counts only the sequences admitted to it, so a replica does not
+    hold its masks back for another replica's structured token in flight."""
+    llm = smol
+    front = llm.engine.structured
+    view = front.replica_view()
+    sp = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    a, b = (llm.engine.make_sequence([5, 6, 7], sp) for _ in range(2))
+    front.admit(a)
+    view.admit(b)  # b's matcher was compiled through the front
+    a.num_pending, b.num_pending = 1, 0
+    assert front.needs_sync() and not view.needs_sync()
+    a.num_pending, b.num_pending = 0, 1
+    assert view.needs_sync() and not front.needs_sync()
+    rows = [ScheduledSeq(b, 3, 1, True)]
+    assert set(view.bitmasks(rows)) == {b} and front.bitmasks(rows) is None

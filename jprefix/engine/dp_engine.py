@@ -128,13 +128,13 @@ class DataParallelEngine:
         self.model, self.inputs, self.max_model_len = front.model, front.inputs, front.max_model_len
         self.router = Router([TrieView(r.scheduler.prefix_pool.trie) for r in self.replicas],
                              args.block_size, args.routing_policy)
-        # one grammar manager for all replicas: a structured request is validated (its
-        # grammar compiled) before it is routed, and the matchers are keyed by sequence,
-        # so any replica's steps find theirs (a replica may wait for a structured token
-        # of another's in flight: only a lost overlap, never a wrong mask)
+        # one set of grammar matchers for all replicas: a structured request is validated
+        # (its grammar compiled) before it is routed, and the matchers are keyed by
+        # sequence, so any replica's steps find theirs; each replica's view tracks its
+        # own sequences, so one waits only for its own structured tokens in flight
         self.structured = self.replicas[0].structured
         for replica in self.replicas[1:]:
-            replica.structured = self.structured
+            replica.structured = self.structured.replica_view()
         self.prefix_pool = ReplicaPools(self.replicas)
         self.step_stats = _StepStats(self.replicas)
         self._lock = threading.Lock()  # the router (add, abort and step run on any thread)

@@ -21,6 +21,7 @@ lazily, so compiling takes about a millisecond and a mask about ten microseconds
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -67,6 +68,15 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._matchers: weakref.WeakKeyDictionary[Sequence, Any] = weakref.WeakKeyDictionary()
         self._active: set[Sequence] = set()  # matchers of sequences in the scheduler
+
+    def replica_view(self) -> StructuredOutputManager:
+        """A manager for another data-parallel replica: the same compiled matchers (the
+        front prepares each request once, before routing it), its own admitted
+        sequences (so `needs_sync`, `bitmasks` and `accept` see only that replica's) and
+        its own mask thread pool (replicas step on their own threads)."""
+        view = copy.copy(self)
+        view._active, view._executor = set(), None
+        return view
 
     def _tokenizer(self) -> Any:
         """llguidance's view of the vocabulary (built once, on the first grammar)."""
