@@ -94,7 +94,8 @@ def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
 
     # float32 inputs multiply in full precision (Triton's default for them is TF32)
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
-    dot = functools.partial(plgpu.dot, trans_b=fp8, precision=precision)
+    dot = (functools.partial(plgpu.dot, trans_b=True, precision=precision) if fp8 else
+           functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32))
 
     def body(i, accs):
         k0 = pl.multiple_of(k_lo + i * bk, bk)
