@@ -28,15 +28,15 @@ import numpy as np
 from jax import numpy as jnp
 
 from models.config import ModelConfig
+from models.fp8_linear import FP8
 from models.llama import Params
 from models.weights import build_params
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_, "F8_E4M3": jnp.float8_e4m3fn,
+    "BOOL": np.bool_, "F8_E4M3": FP8,
 }
-_FP8 = np.dtype(jnp.float8_e4m3fn)
 
 _TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
               "lm_head": "lm_head.weight"}
@@ -188,7 +188,7 @@ def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = N
         if name not in tensors:
             raise ValueError(f"{directory}: missing tensor {name}")
         arr, where = tensors[name].get(name), f"{tensors[name].path}: tensor {name}"
-        if arr.dtype == _FP8:
+        if arr.dtype == FP8:
             scale = next((n for n in (name + "_scale", name + "_scale_inv") if n in tensors),
                          None)
             if scale is None or arr.ndim != 2:

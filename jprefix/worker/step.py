@@ -150,12 +150,17 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
 
 
 _STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra")
+_STEP_STATIC = (*_STATIC, "greedy")
 
 
-@functools.partial(
-    jax.jit, static_argnames=(*_STATIC, "greedy"), donate_argnames=("kv_cache",),
-    compiler_options=xla_flags.step_compiler_options(),
-)
+def _jit_step(fn: Callable, static: tuple[str, ...], fp8_weights: bool = False) -> Callable:
+    """`fn` jitted as an engine step: `static` arguments, the KV cache donated, and the
+    step's XLA options (`xla_flags.step_compiler_options`)."""
+    return jax.jit(fn, static_argnames=static, donate_argnames=("kv_cache",),
+                   compiler_options=xla_flags.step_compiler_options(fp8_weights=fp8_weights))
+
+
+@functools.partial(_jit_step, static=_STEP_STATIC)
 def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
          token_bitmask: jax.Array | None = None, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
@@ -189,10 +194,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     return (tokens, kv_cache) if logprobs is None else (tokens, kv_cache, logprobs)
 
 
-@functools.partial(
-    jax.jit, static_argnames=_STATIC, donate_argnames=("kv_cache",),
-    compiler_options=xla_flags.step_compiler_options(),
-)
+@functools.partial(_jit_step, static=_STATIC)
 def step_logits(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
                 layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
                 cascade: bool = False, mesh: Mesh | None = None, extra: bool = False):
@@ -222,10 +224,8 @@ def compiled_steps(fp8_weights: bool) -> tuple[Callable, Callable]:
     the same functions under `xla_flags.step_compiler_options(fp8_weights=...)`."""
     if not fp8_weights:
         return step, step_logits
-    options = xla_flags.step_compiler_options(fp8_weights=True)
-    return tuple(jax.jit(f.__wrapped__, static_argnames=static, donate_argnames=("kv_cache",),
-                         compiler_options=options)
-                 for f, static in ((step, (*_STATIC, "greedy")), (step_logits, _STATIC)))
+    return (_jit_step(step.__wrapped__, _STEP_STATIC, fp8_weights=True),
+            _jit_step(step_logits.__wrapped__, _STATIC, fp8_weights=True))
 
 
 def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
