@@ -180,3 +180,45 @@ def test_spec_options_parse():
     assert (r.balance_rel, r.balance_abs) == (0.5, 64)
     with pytest.raises(ValueError, match="at least one replica"):
         Router([], B)
+
+
+# -- the data-parallel front over stub replicas (no model, no device) ---------------------
+
+def _front(n: int = 2):
+    from jprefix.engine.args import EngineArgs
+    from jprefix.engine.dp_engine import DataParallelEngine
+    from scripts.bench_host import stub_engine
+
+    args = EngineArgs(num_kv_blocks=256, data_parallel_size=n)
+    return DataParallelEngine(None, args, replicas=[stub_engine(args) for _ in range(n)])
+
+
+def test_front_counts_a_request_until_its_route_is_forgotten():
+    from jprefix.core.sampling_params import SamplingParams
+
+    front = _front()
+    seq = front.make_sequence(list(range(10, 50)), SamplingParams(max_tokens=3, ignore_eos=True))
+    r = front.add_sequence(seq)
+    replica = front.replicas[r]
+    while replica.has_unfinished_requests():  # the replica finishes it, the front not yet
+        replica.step()
+    # (another thread may look here, between a replica's step and the front's forgetting)
+    assert front.has_unfinished_requests() and front.replica_of(seq.request_id) == r
+    front.router.finish(seq.request_id)
+    assert not front.has_unfinished_requests()
+    seq = front.make_sequence(list(range(10, 50)), SamplingParams(max_tokens=3, ignore_eos=True))
+    front.add_sequence(seq)
+    while front.has_unfinished_requests():
+        front.step()
+    assert front.replica_of(seq.request_id) is None
+
+
+def test_front_forgets_the_route_of_a_sequence_its_replica_refuses():
+    from jprefix.core.sampling_params import SamplingParams
+
+    front = _front()
+    seq = front.make_sequence(list(range(10, 50)), SamplingParams(n=2, max_tokens=3))
+    with pytest.raises(ValueError, match="samples"):
+        front.add_sequence(seq)  # (n > 1: queue make_request's sequences instead)
+    assert not front.has_unfinished_requests() and front.replica_of(seq.request_id) is None
+    assert front.router.num_in_flight == 0

@@ -164,6 +164,11 @@ class Router:
         c.prompt_tokens += len(token_ids)
         return replica
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests routed and not yet finished."""
+        return len(self._requests)
+
     def replica_of(self, request_id: str) -> int | None:
         entry = self._requests.get(request_id)
         return None if entry is None else entry[0]

@@ -171,7 +171,12 @@ class DataParallelEngine:
             replica = self.router.route(seq.request_id, seq.all_token_ids,
                                         self._shareable_blocks(seq), seq.cache_salt,
                                         self._loads())
-        self.replicas[replica].add_sequence(seq)
+        try:
+            self.replicas[replica].add_sequence(seq)
+        except BaseException:
+            with self._lock:  # (not queued: no step would ever forget its route)
+                self.router.finish(seq.request_id)
+            raise
         return replica
 
     def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
@@ -192,7 +197,13 @@ class DataParallelEngine:
             self.replicas[replica].abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(r.has_unfinished_requests() for r in self.replicas)
+        """True while any request is queued, running or routed: `step` forgets a route
+        just after its replica finishes the request, and until then the request still
+        counts, so that once this is False `replica_of` is None for every request."""
+        if any(r.has_unfinished_requests() for r in self.replicas):
+            return True
+        with self._lock:
+            return self.router.num_in_flight > 0
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has work; the requests they finished."""
