@@ -193,6 +193,10 @@ def test_bench_cascade_smoke():
     rows = bench_cascade.main(["--smoke"])
     assert len(rows) == 1 and rows[0]["err_plain"] < 2e-2 and rows[0]["err_cascade"] < 2e-2
     assert rows[0]["plain_ms"] > 0 and rows[0]["prefix_ms"] > 0 and rows[0]["suffix_ms"] > 0
+    # the fp8 cache: both ops against the reference on the same fp8 cache
+    (row,) = bench_cascade.main(["--smoke", "--kv-cache-dtype", "fp8"])
+    assert row["kv_cache_dtype"] == "fp8" and row["err_plain"] < 2e-2 and row["err_cascade"] < 2e-2
+    assert row["suffix_ms"] > 0 and row["prefix_ms"] > 0
 
 
 def test_sweep_attention_smoke(tmp_path):
