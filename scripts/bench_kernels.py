@@ -176,7 +176,11 @@ def bench_fp8_decode(smoke: bool, results: dict, fmt: str = "fp8") -> None:
     batches, ctx = ((4, 16), 64) if smoke else ((64, 256), 2048)
     configs = decode_configs(True) if smoke else [
         {"max_q_len": 1, **c} for c in ({}, {"kv_splits": 2}, {"kv_splits": 4},
-                                        {"num_warps": 2}, {"block_kv": 128, "num_stages": 2})]
+                                        {"num_warps": 2}, {"block_kv": 128, "num_stages": 2},
+                                        # more bytes per program (an fp8 key is half)
+                                        {"num_warps": 2, "block_kv": 128},
+                                        {"num_warps": 2, "num_stages": 4},
+                                        {"num_warps": 2, "heads_per_tile": 2})]
     results["fp8_decode"] = []
     for name in ("llama2-7b", "llama3-8b"):
         heads = HEADS[name]
