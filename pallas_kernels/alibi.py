@@ -48,36 +48,3 @@ def alibi_tile_terms(slopes, tok, first_pos, kv_len, *, causal: bool, unit: floa
     if causal:
         return step_slope, first_pos, slope * tok.astype(jnp.float32)
     return step_slope, kv_len, jnp.zeros_like(slope)
-
-
-# The bias matmul's contraction width: the smallest `dot` K. Columns past the split
-# terms are zero.
-MMA_K = 16
-
-
-def alibi_mma_operands(step_slope, kk, dtype):
-    """The operands of the bias matmul that gives each logit of a key step its
-    `step_slope[r] * kk[c]` (rows r of the tile, keys c of the step at offset kk [C] int32
-    < 256 from the step's first key) as `dot(qa, ka.T)`, qa [R, MMA_K] and ka [C, MMA_K]
-    in `dtype` (the query's). Both stay the same across the key loop.
-
-    A 16-bit slope carries 8 (bfloat16) or 11 (float16) significant bits, so qa holds
-    the float32 slope as the sum of three `dtype` terms, each times the exact offset in
-    ka: the products are exact and the tensor cores sum them in float32, so the bias is
-    float32-accurate (float16's last term stops at its subnormal spacing: under 255 *
-    2^-25 per logit, in the raw dot product's units). float32 operands need one term.
-    """
-    col = jnp.arange(MMA_K, dtype=jnp.int32)[None, :]
-    if jnp.dtype(dtype) == jnp.float32:
-        terms = [step_slope]
-    else:
-        terms, rest = [], step_slope
-        for _ in range(3):
-            t = rest.astype(dtype).astype(jnp.float32)
-            terms.append(t)
-            rest = rest - t
-    qa = jnp.zeros((step_slope.shape[0], MMA_K), jnp.float32)
-    for i, t in enumerate(terms):
-        qa = jnp.where(col == i, t[:, None], qa)
-    ka = jnp.where(col < len(terms), kk.astype(jnp.float32)[:, None], 0.0)
-    return qa.astype(dtype), ka.astype(dtype)

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.alibi import alibi_mma_operands, alibi_tile_terms
+from pallas_kernels.alibi import alibi_tile_terms
 from pallas_kernels.paged_attention_tiling import KernelConfig
 from pallas_kernels.paged_gather import gather_kv, load_pages
 
@@ -68,10 +68,8 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     page ids are this step's, loaded one step ahead so that the K/V gather does not wait
     on the block-table load. `alibi` (with `cfg.alibi`): per row, the slope in the
     units of x, float32 [R], and the tile's anchor position (int32 scalar,
-    `alibi.alibi_tile_terms`); with `cfg.alibi_mma` also the bias matmul's operands
-    (`alibi.alibi_mma_operands`), which give the bias from the step's first key, the
-    rest a per-row `shift` (log2 units). With `cfg.alibi_folded` x is the raw dot product
-    plus the bias over the scale, and `unit` = scale * log2(e) scales it inside exp2.
+    `alibi.alibi_tile_terms`). With `cfg.alibi_folded` x is the raw dot product plus
+    the bias over the scale, and `unit` = scale * log2(e) scales it inside exp2.
     `scale_refs` (with `cfg.kv_fp8`): the K and V scales, [L*K*N*B] float32 each.
     """
     o, m, denom, pages = carry
@@ -94,12 +92,7 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     else:
         x = _dot_qk(q, k)
     x = x if cfg.alibi_folded else _logits(x, cfg)
-    shift, unit = None, cfg.scale * LOG2E
-    if cfg.alibi_mma:  # slope * offset in the step by a matmul, the rest per row
-        slope, anchor, qa, ka = alibi
-        x = x + _dot_qk(qa, ka)
-        shift = slope * unit * (j * cfg.block_kv - anchor).astype(jnp.float32)
-    elif cfg.alibi:  # slope * (key_pos - anchor): one multiply-add per logit
+    if cfg.alibi:  # slope * (key_pos - anchor): one multiply-add per logit
         slope, anchor = alibi
         x = x + slope[:, None] * (key_pos - anchor).astype(jnp.float32)[None, :]
     if cfg.heads_per_tile > 1:  # each row sees only its own head's keys
@@ -110,14 +103,15 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
         else:
             visible = key_pos[None, :] < kv_len
         x = jnp.where(visible, x, -jnp.inf)
-    if cfg.alibi_folded:  # logits x * unit + shift (unit > 0: it commutes with the max)
-        shift = 0.0 if shift is None else shift
-        m_new = jnp.maximum(m, x.max(axis=1) * unit + shift)
-        p = jnp.exp2(x * unit - (m_new - shift)[:, None])
+    if cfg.alibi_folded:  # (unit > 0: the max commutes with the scale)
+        unit = cfg.scale * LOG2E
+        m_new = jnp.maximum(m, x.max(axis=1) * unit)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(x * unit - m_new[:, None])
     else:
         m_new = jnp.maximum(m, x.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(x - m_new[:, None])
-    alpha = jnp.exp2(m - m_new)
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else None
     pw = p * scales[1][None, :] if cfg.kv_fp8 else p  # (the denominator takes p)
     pv = plgpu.dot(pw.astype(v.dtype), v, precision=precision)
@@ -201,12 +195,7 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         slope, anchor, row_shift = alibi_tile_terms(
             slopes_ref[head], tok, first_pos, kv_len, causal=cfg.causal,
             unit=cfg.scale * LOG2E if cfg.alibi_folded else 1.0)
-        if cfg.alibi_mma:  # the step's key offsets, as `_step` gathers them
-            kk = jnp.arange(cfg.keys_per_step, dtype=jnp.int32) % cfg.block_kv
-            step = functools.partial(
-                step, alibi=(slope, anchor, *alibi_mma_operands(slope, kk, q.dtype)))
-        else:
-            step = functools.partial(step, alibi=(slope, anchor))
+        step = functools.partial(step, alibi=(slope, anchor))
     carry = (
         jnp.zeros((cfg.tile_rows, cfg.head_dim), jnp.float32),
         jnp.full((cfg.tile_rows,), _M_INIT, jnp.float32),
@@ -312,7 +301,7 @@ def _kernel_name(cfg: KernelConfig) -> str:
     name = f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}"
     name += "" if cfg.causal else "_full"
     name += "_lse" if cfg.return_lse else ""
-    name += ("_alibi_mma" if cfg.alibi_mma else "_alibi") if cfg.alibi else ""
+    name += "_alibi" if cfg.alibi else ""
     name += "_fp8" if cfg.kv_fp8 else ""
     name += f"_hp{cfg.heads_per_tile}" if cfg.heads_per_tile > 1 else ""
     return name + "_1loop" * cfg.single_loop

@@ -44,9 +44,6 @@ class BlockSizes:
     mask_kv: bool = True  # edge steps skip loading keys past kv_len
     # decode tiling: KV heads per tile, each row masked to its own head's keys
     heads_per_tile: int = 1
-    # ALiBi without a soft cap: the bias within a key step as a second, K=16 matmul
-    # (`alibi.alibi_mma_operands`) instead of a multiply-add per logit
-    alibi_mma: bool = False
 
 
 def prefill_kv_splits(num_tokens: int, num_heads: int, num_kv_heads: int, block_q: int,
@@ -146,7 +143,6 @@ class KernelConfig:
     # for short contexts, where a program's fixed latency dominates)
     heads_per_tile: int = 1
     alibi: bool = False  # add slope_h * (k_pos - q_pos) to the logits ([H] slopes input)
-    alibi_mma_knob: bool = False  # BlockSizes.alibi_mma (used only where `alibi_mma`)
     kv_fp8: bool = False  # fp8 caches with float32 scales per row (two scales inputs)
 
     @property
@@ -158,12 +154,6 @@ class KernelConfig:
         """ALiBi's bias joins the raw dot product, scaled with it inside exp2's argument
         (no soft cap, scale > 0): no more element-wise work per logit than without."""
         return self.alibi and self.soft_cap is None and self.scale > 0
-
-    @property
-    def alibi_mma(self) -> bool:
-        """The folded bias within a step comes from a second matmul (`_step`); needs the
-        step's key offsets (< block_kv <= 256) exact in a 16-bit dtype."""
-        return self.alibi_folded and self.alibi_mma_knob and self.block_kv <= 256
 
     @property
     def keys_per_step(self) -> int:
@@ -189,7 +179,7 @@ def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[i
         dump_rows=interpret, prefetch_pages=bs.prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=bs.single_loop, evict_first=bs.evict_first,
         mask_q=bs.mask_q, mask_kv=bs.mask_kv, heads_per_tile=bs.heads_per_tile,
-        alibi=alibi, alibi_mma_knob=alibi and bs.alibi_mma, kv_fp8=kv_fp8,
+        alibi=alibi, kv_fp8=kv_fp8,
     )
 
 

@@ -14,7 +14,6 @@ from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
 from test_paged_attention import INTERPRET, MIXED, TOL, make_batch, rel_err
 
 from models.alibi import alibi_slopes
-from pallas_kernels.alibi import alibi_mma_operands
 from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
 from pallas_kernels.fp8 import FP8_DTYPES, dequantize_rows, quantize_rows
 from pallas_kernels.paged_attention import (
@@ -191,13 +190,12 @@ def check_kernel(batch, slopes, *, soft_cap=None, max_q_len=None, **knobs):
     check_output(out, dense_alibi(batch, slopes, soft_cap=soft_cap)[0], batch)
 
 
-@pytest.mark.parametrize("max_q_len,alibi_mma", [(None, False), (None, True), (1, False)])
+@pytest.mark.parametrize("max_q_len", [None, 1])
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
 @pytest.mark.parametrize("seqs", [DECODE, PREFILL, CACHED, MIXED])
-def test_kernel_matches_dense_alibi(seqs, heads, kv_heads, max_q_len, alibi_mma):
+def test_kernel_matches_dense_alibi(seqs, heads, kv_heads, max_q_len):
     batch, slopes = alibi_batch(len(seqs) + heads, seqs, heads, kv_heads)
-    check_kernel(batch, slopes, max_q_len=max_q_len, block_q=16, block_kv=16,
-                 alibi_mma=alibi_mma)
+    check_kernel(batch, slopes, max_q_len=max_q_len, block_q=16, block_kv=16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -207,10 +205,6 @@ def test_kernel_matches_dense_alibi(seqs, heads, kv_heads, max_q_len, alibi_mma)
     (None, {"kv_splits": 3, "block_kv": 16}),  # prefill, split key range
     (None, {"block_q": 16, "block_kv": 16, "mask_kv": False}),
     (None, {"block_q": 32, "soft_cap": 5.0}),  # (the bias not folded into the scale)
-    # the in-step bias by a matmul (prefill's default) or a multiply-add per logit
-    (1, {"kv_splits": 2, "block_kv": 16, "alibi_mma": True}),
-    (None, {"block_q": 16, "block_kv": 16, "alibi_mma": False}),
-    (None, {"block_q": 16, "block_kv": 256, "alibi_mma": True}),  # offsets up to 255
 ])
 def test_kernel_alibi_splits_and_variants(max_q_len, knobs, dtype):
     seqs = MIXED + [(1, 64), (5, 41)]
@@ -322,30 +316,16 @@ def test_bad_slopes_raise_value_error(bad):
                               alibi_slopes=BAD_SLOPES[bad])
 
 
-@pytest.mark.parametrize("alibi_mma", [True, False])
 @pytest.mark.parametrize("max_q_len", [None, 1])
-def test_kernel_alibi_on_fp8_cache(max_q_len, alibi_mma):
-    # The fp8 path's dots run in float16: the bias matmul's slope splits into its terms.
+def test_kernel_alibi_on_fp8_cache(max_q_len):
     batch, slopes = alibi_batch(77, MIXED + [(1, 64)], 40, 8, jnp.bfloat16)
     k8, ks = quantize_rows(batch["k_cache"], FP8_DTYPES[0])
     v8, vs = quantize_rows(batch["v_cache"], FP8_DTYPES[0])
     out = paged_attention(**dict(batch, k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs),
                           scale=SCALE, interpret=INTERPRET, max_q_len=max_q_len,
                           alibi_slopes=slopes,
-                          block_sizes=BlockSizes(block_q=16, block_kv=16, alibi_mma=alibi_mma))
+                          block_sizes=BlockSizes(block_q=16, block_kv=16))
     deq = dict(batch, q=batch["q"].astype(jnp.float32), k_cache=dequantize_rows(k8, ks),
                v_cache=dequantize_rows(v8, vs))
     check_output(out, dense_alibi(deq, slopes)[0], batch)
 
-
-def test_mma_operands_carry_a_float32_slope_in_16_bit_terms():
-    slopes = jnp.asarray(alibi_slopes(40)) / 0.1275  # as the kernel's, over the scale
-    kk = jnp.arange(256, dtype=jnp.int32) % 128
-    want = np.asarray(slopes, np.float64)[:, None] * np.asarray(kk, np.float64)[None, :]
-    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
-        qa, ka = alibi_mma_operands(slopes, kk, dtype)
-        assert qa.dtype == ka.dtype == dtype and qa.shape == (40, 16) and ka.shape == (256, 16)
-        got = np.asarray(qa, np.float64) @ np.asarray(ka, np.float64).T
-        # float16's last terms stop at its subnormal spacing, 2^-24 (per offset unit)
-        atol = 255 * 2.0**-25 if dtype == jnp.float16 else 0.0
-        np.testing.assert_allclose(got, want, rtol=2e-7, atol=atol)
