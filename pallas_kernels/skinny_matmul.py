@@ -14,11 +14,17 @@ that sum with whatever follows, e.g. the residual add).
 silu(x @ gate) * (x @ up) [M, F]; a program loads the matching columns of both halves.
 
 fp8 weights (`scales`, `models.fp8_linear`): w is the fp8 [N, K] matrix (transposed),
-x the activations' fp8 values held in a 16-bit dtype (exact there), with a float32
-scale per row and per output column. A program converts its weight tiles to x's dtype
-in registers (exact) and multiplies in float32, then scales its columns once: the
+with a float32 scale per row and per output column, and x the activations' fp8 values,
+either held in a 16-bit dtype (exact there: a program converts its weight tiles to that
+dtype in registers and multiplies in 16 bits) or as float8_e4m3fn itself (`out_dtype`
+given: both operands go to the tensor cores' fp8 dot as loaded, nothing is converted).
+Either way the dot accumulates in float32 and a program scales its columns once: the
 arithmetic of `fp8_matmul` (per-row activation quantisation, so a row's result does not
 depend on the other rows) with half the weight bytes of a 16-bit matmul.
+
+`block_m` (0: all M rows in one program) splits the rows over programs, for row counts
+where a program's [M, block_n] accumulator would be too large or too few programs
+would run; each then reads its own rows of x and every weight column it owns.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class MatmulTiling:
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    block_m: int = 0  # rows per program; 0 = all of them
 
 
 def _rows_ok(m: int) -> bool:
@@ -73,22 +80,43 @@ def skinny_tiling(m: int, k: int, n: int, act: str | None, *,
     return MatmulTiling(block_n=64, block_k=block_k, num_stages=3 if act else 4)
 
 
+def fp8_tiling(m: int, k: int, n: int, act: str | None) -> MatmulTiling | None:
+    """The tiling for x [m, k] in fp8 times an fp8 weight of n output columns (the
+    fp8 x fp8 dot), or None where XLA's fp8 matmul is the faster choice: up to
+    SKINNY_MAX_ROWS rows, at any column count (half the bytes per column make the
+    programs short enough that 64 of them stream at ~4 TB/s). Long K (the MLP's down
+    projection) splits in two; the gated MLP takes 128 columns of each half per program
+    (bench_gemm --fp8-native; docs/KERNEL_NOTES.md)."""
+    block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
+    block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
+    if m > SKINNY_MAX_ROWS or not _rows_ok(m) or block_k is None or block_n is None:
+        return None
+    splits = 2 if k >= 8192 and k % (2 * block_k) == 0 and not act else 1
+    if (act or splits > 1) and n % 128 == 0:
+        block_n = 128
+    return MatmulTiling(block_n=block_n, block_k=block_k, k_splits=splits)
+
+
 def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
                    num_rows: int, k_per_split: int, up_offset: int, fp8: bool):
     """x_ref [M, K], w_ref [K, N_w] (`fp8`: [N_w, K] fp8, then refs start with the row
     scales [M, 1] and column scales [1, N_w], float32), o_ref [M, N_out] (k_splits 1) or
-    [k_splits * M, N_out] float32 partials; program (j, s) computes columns j*block_n..
-    over K split s."""
+    [k_splits * M, N_out] float32 partials; program (j, s, r) computes columns
+    j*block_n.. of rows r*bm.. (bm = block_m or M) over K split s."""
     *scale_refs, o_ref = refs
-    j, s = pl.program_id(0), pl.program_id(1)
+    j, s, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bn, bk = tiling.block_n, tiling.block_k
+    bm = tiling.block_m or num_rows
     n0 = pl.multiple_of(j * bn, bn)
+    r0 = pl.multiple_of(r * bm, bm)
     k_lo = s * k_per_split
+    native = x_ref.dtype == FP8  # fp8 x fp8 on the tensor cores: nothing converted
 
     def load_w(k0, col0):  # (each weight byte is read once: evict it first)
-        if fp8:  # [bn, bk] fp8 -> x's dtype, exact
-            return plgpu.load(w_ref.at[pl.ds(col0, bn), pl.ds(k0, bk)],
-                              eviction_policy="evict_first").astype(x_ref.dtype)
+        if fp8:  # [bn, bk] fp8, converted to x's 16-bit dtype unless native (exact)
+            w = plgpu.load(w_ref.at[pl.ds(col0, bn), pl.ds(k0, bk)],
+                           eviction_policy="evict_first")
+            return w if native else w.astype(x_ref.dtype)
         return plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)],
                           eviction_policy="evict_first")
 
@@ -99,20 +127,20 @@ def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
 
     def body(i, accs):
         k0 = pl.multiple_of(k_lo + i * bk, bk)
-        x = x_ref[:, pl.ds(k0, bk)]  # [M, bk]
+        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]  # [bm, bk]
         out = [accs[0] + dot(x, load_w(k0, n0))]
         if act == "silu_mul":
             out.append(accs[1] + dot(x, load_w(k0, up_offset + n0)))
         return tuple(out)
 
-    zeros = jnp.zeros((num_rows, bn), jnp.float32)
+    zeros = jnp.zeros((bm, bn), jnp.float32)
     accs = lax.fori_loop(0, k_per_split // bk, body, (zeros,) * (1 + (act == "silu_mul")))
     if fp8:  # y * row scale * column scale, as fp8_matmul (each partial: the sum is linear)
         row_scale, col_scale = scale_refs
-        accs = tuple(a * row_scale[...] * col_scale[:, pl.ds(col0, bn)]
+        accs = tuple(a * row_scale[pl.ds(r0, bm), :] * col_scale[:, pl.ds(col0, bn)]
                      for a, col0 in zip(accs, (n0, up_offset + n0)[:len(accs)], strict=True))
     if tiling.k_splits > 1:
-        o_ref[pl.ds(s * num_rows, num_rows), pl.ds(n0, bn)] = accs[0]
+        o_ref[pl.ds(s * num_rows + r0, bm), pl.ds(n0, bn)] = accs[0]
         return
     if act == "silu_mul":  # gate and up rounded as two matmul outputs would be, then f32
         # (one rounding at the end: within one bf16 step of XLA's unfused ops, which round
@@ -122,11 +150,12 @@ def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
         result = gate * jax.nn.sigmoid(gate) * up
     else:
         result = accs[0]
-    o_ref[:, pl.ds(n0, bn)] = result.astype(o_ref.dtype)
+    o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = result.astype(o_ref.dtype)
 
 
 def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: MatmulTiling,
-                        scales: tuple[jax.Array, jax.Array] | None = None) -> None:
+                        scales: tuple[jax.Array, jax.Array] | None = None,
+                        out_dtype=None) -> None:
     """Raises ValueError naming the shape, dtype or tiling value the kernel cannot take."""
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"x {x.shape} and w {w.shape} must both be 2-D")
@@ -134,9 +163,12 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
     if x.shape[1] != w_k:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
     if scales is not None:
-        if w.dtype != FP8 or x.dtype not in FLOAT_DTYPES:
+        if w.dtype != FP8 or x.dtype not in (*FLOAT_DTYPES, FP8):
             raise ValueError(f"with scales, w ({w.dtype}) must be {FP8} [N, K] and x "
-                             f"({x.dtype}) a float dtype holding fp8 values")
+                             f"({x.dtype}) {FP8} or a float dtype holding fp8 values")
+        if x.dtype == FP8 and tiling.block_k < 32:
+            raise ValueError(f"block_k {tiling.block_k} must be >= 32 for an fp8 x "
+                             "(the tensor cores' fp8 dot takes K in steps of 32)")
         shapes = tuple(tuple(jnp.shape(a)) for a in scales)
         if shapes != ((x.shape[0],), (w_n,)):
             raise ValueError(f"scales {shapes} must be [M] = [{x.shape[0]}] and "
@@ -147,8 +179,16 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
         raise ValueError(f"act {act!r} is not one of {ACTIVATIONS}")
     m, k = x.shape
     n = w_n // (2 if act == "silu_mul" else 1)
+    out = jnp.dtype(out_dtype or x.dtype)
+    if out not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype {out} must be one of {FLOAT_DTYPES} (x is {x.dtype}: "
+                         "an fp8 x needs out_dtype)")
     if not _rows_ok(m):
         raise ValueError(f"x has {m} rows: a power of 2 >= 16 is needed (pad the rows)")
+    bm = tiling.block_m or m
+    if bm > m or m % bm or not _rows_ok(bm):
+        raise ValueError(f"block_m {tiling.block_m} must be 0 or a power of 2 >= 16 "
+                         f"dividing the {m} rows")
     if not all(b >= 16 and is_pow2(b) for b in (tiling.block_n, tiling.block_k)):
         raise ValueError(f"block_n {tiling.block_n} and block_k {tiling.block_k} must be "
                          "powers of 2 >= 16 (Triton's smallest dot)")
@@ -167,20 +207,23 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
                          "activation needs the whole sum")
 
 
-@functools.partial(jax.jit, static_argnames=("act", "tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("act", "tiling", "interpret", "out_dtype"))
 def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
                   tiling: MatmulTiling = MatmulTiling(), interpret: bool = False,
-                  scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation; M a power of 2
-    >= 16, N a multiple of block_n, K of block_k x k_splits); with
+                  scales: tuple[jax.Array, jax.Array] | None = None,
+                  out_dtype=None) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] in `out_dtype` (default x's; float32 accumulation;
+    M a power of 2 >= 16, N a multiple of block_n, K of block_k x k_splits); with
     `act="silu_mul"`, w is [K, 2F] and the result silu(x @ w[:, :F]) * (x @ w[:, F:]).
     `scales` = (row scales [M], column scales [N]) float32: w is fp8 [N, K] and the
-    product (x @ w.T) * row scale * column scale (module docstring)."""
-    check_matmul_inputs(x, w, act, tiling, scales)
+    product (x @ w.T) * row scale * column scale, x fp8 or fp8 values in a 16-bit dtype
+    (module docstring)."""
+    check_matmul_inputs(x, w, act, tiling, scales, out_dtype)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
     n = (w.shape[0] if scales is not None else w.shape[1]) // (2 if act == "silu_mul" else 1)
     splits = tiling.k_splits
-    out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if splits == 1
+    out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
                  else jax.ShapeDtypeStruct((splits * m, n), jnp.float32))
     kernel = functools.partial(_matmul_kernel, tiling=tiling, act=act, num_rows=m,
                                k_per_split=k // splits, up_offset=n, fp8=scales is not None)
@@ -189,17 +232,18 @@ def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
         inputs += (scales[0].astype(jnp.float32)[:, None], scales[1].astype(jnp.float32)[None])
     out = pl.pallas_call(
         kernel,
-        grid=(n // tiling.block_n, splits),
+        grid=(n // tiling.block_n, splits, m // (tiling.block_m or m)),
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=tiling.num_stages),
         name=f"skinny_matmul_n{tiling.block_n}_k{tiling.block_k}_s{splits}"
+             + (f"_m{tiling.block_m}" if tiling.block_m else "")
              + ("_silu" if act else "") + ("_fp8" if scales is not None else ""),
     )(*inputs)
     if splits == 1:
         return out
-    return out.reshape(splits, m, n).sum(axis=0).astype(x.dtype)
+    return out.reshape(splits, m, n).sum(axis=0).astype(out_dtype)
 
 
 def skinny_matmul_reference(x: jax.Array, w: jax.Array, act: str | None = None) -> jax.Array:

@@ -20,6 +20,7 @@ the rows, else the same XLA dot).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import sys
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jprefix.worker.step import _linear
-from models.fp8_linear import quantize_weight
+from models.fp8_linear import FP8, quantize_activations, quantize_weight
 from models.llama import dense_linear
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
@@ -100,6 +101,9 @@ def bench_case(name, m, shape, args, interpret):
         row["fp8_engine_us"] = time_matmul(engine, x, qws, interpret, device=True) * 1e6
         row["fp8_engine_err"] = rel_err(engine(x, qws[:1])[0], ref)
 
+    if args.fp8_native:
+        bench_native_fp8(row, x, [quantize_weight(w) for w in ws], act, ref, interpret)
+
     def ours(t):
         return jax.jit(lambda x, ws: [skinny_matmul(x, w, act=act, tiling=t,
                                                     interpret=interpret) for w in ws])
@@ -132,6 +136,57 @@ def bench_case(name, m, shape, args, interpret):
     return row
 
 
+def native_tilings(m, act, best=None):
+    """The fp8-native sweep: rows per program, output columns and K splits first, then
+    K step, stages and warps for the best of those."""
+    if best is None:
+        row_blocks = [0] + [b for b in (64, 128) if b < m]
+        return [MatmulTiling(block_n=bn, block_k=128, k_splits=s, block_m=bm,
+                             num_warps=8 if (bm or m) * bn >= 128 * 128 else 4)
+                for bm, bn, s in itertools.product(row_blocks, (64, 128), (1, 2))
+                if not (act and s > 1)]
+    return [dataclasses.replace(best, block_k=bk, num_stages=st, num_warps=nw)
+            for (bk, st), nw in itertools.product(((64, 4), (128, 3), (128, 5), (256, 3)),
+                                                  (4, 8))]
+
+
+def bench_native_fp8(row, x, qws, act, ref, interpret):
+    """skinny_matmul with x as fp8 (the tensor cores' fp8 dot) over `native_tilings`,
+    the activations quantised per row inside the timed call as `fp8_matmul` does:
+    row["fp8_native"] = the tilings tried; row["fp8_native_us"] the best's device time."""
+    def fn(t):
+        def one(x, w):
+            x8, xs = quantize_activations(x)
+            return skinny_matmul(x8, w.w8, act=act, tiling=t, interpret=interpret,
+                                 scales=(xs[:, 0], w.scale), out_dtype=x.dtype)
+        return jax.jit(lambda x, qws: [one(x, w) for w in qws])
+
+    tried = row["fp8_native"] = []
+
+    def run(tilings):
+        for t in tilings:
+            try:
+                check_matmul_inputs(x.astype(FP8), qws[0].w8, act, t,
+                                    (qws[0].scale[:1].repeat(x.shape[0]), qws[0].scale),
+                                    x.dtype)
+                err = rel_err(fn(t)(x, qws[:1])[0], ref)
+                us = time_matmul(fn(t), x, qws, interpret) * 1e6 if err < 0.1 else None
+            except Exception as exc:  # a tiling past the shared memory or registers
+                tried.append({"tiling": t.__dict__, "error": str(exc)[:200]})
+                continue
+            tried.append({"tiling": t.__dict__, "us": us, "err": err})
+
+    def best():
+        ok = sorted((r for r in tried if r.get("us")), key=lambda r: r["us"])
+        return MatmulTiling(**ok[0]["tiling"]) if ok else None
+
+    run(native_tilings(x.shape[0], act))
+    if best() is not None:
+        run(native_tilings(x.shape[0], act, best()))
+        row["fp8_native_best"] = best().__dict__
+        row["fp8_native_us"] = time_matmul(fn(best()), x, qws, interpret, device=True) * 1e6
+
+
 def line(row):
     tbs = row["weight_mb"] * 2**20 / 1e12
 
@@ -142,6 +197,10 @@ def line(row):
     fp8 = (f"  fp8 {row['fp8_us']:7.1f} us ({row['xla_us'] / row['fp8_us']:.2f}x, err "
            f"{row['fp8_err']:.3f}), engine's {row['fp8_engine_us']:7.1f} us "
            f"({row['xla_us'] / row['fp8_engine_us']:.2f}x)" if "fp8_us" in row else "")
+    if "fp8_native_us" in row:
+        nat = ", ".join(f"{k} {v}" for k, v in row["fp8_native_best"].items())
+        fp8 += (f"  fp8 native {row['fp8_native_us']:7.1f} us "
+                f"({row['xla_us'] / row['fp8_native_us']:.2f}x; {nat})")
     return (f"{row['name']:8s} M {row['m']:4d}  floor {row['floor_us']:6.1f} us  "
             f"xla {cell(row['xla_us'])}  ours {cell(row.get('best_us'))}  ({best})" + fp8)
 
@@ -155,6 +214,8 @@ def main(argv=None):
     ap.add_argument("--output-json")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="also time the fp8-weight matmuls (models.fp8_linear)")
+    ap.add_argument("--fp8-native", action="store_true",
+                    help="also sweep skinny_matmul with fp8 activations (fp8 x fp8 dot)")
     args = ap.parse_args(argv)
     interpret = args.smoke or jax.default_backend() == "cpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES

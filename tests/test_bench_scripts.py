@@ -227,6 +227,20 @@ def test_bench_gemm_smoke(tmp_path):
     assert all(t["us"] is not None and t["err"] < 1e-5 for t in timed)  # all correct
 
 
+def test_bench_gemm_fp8_native_smoke(tmp_path):
+    # interpret mode: the fp8-native sweep (x as fp8) checked against the bf16 reference
+    # within fp8's error, every tiling timed, the best one's time kept
+    out = tmp_path / "gemm.json"
+    from scripts import bench_gemm
+
+    r = bench_gemm.main(["--smoke", "--rows", "16", "--only", "down", "--xla-only",
+                         "--quantization", "fp8", "--fp8-native", "--output-json", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    timed = [t for t in row["fp8_native"] if "us" in t]
+    assert not r["errors"] and row["fp8_native_us"] > 0 and len(timed) >= 8
+    assert all(t["us"] is not None and t["err"] < 0.05 for t in timed)
+
+
 def test_bench_host_smoke():
     from scripts import bench_host
 

@@ -8,12 +8,14 @@ the compiled Triton kernel.
 import itertools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
+    check_matmul_inputs,
     skinny_matmul,
     skinny_matmul_reference,
     skinny_tiling,
@@ -106,6 +108,20 @@ def _pallas_calls(fn, *args):
     return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
 
 
+def _pallas_operands(fn, *args):
+    """The operand avals of every pallas_call in fn's jaxpr (nested jaxprs included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append([v.aval for v in eqn.invars])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
     from jprefix.worker.step import _linear
@@ -169,6 +185,55 @@ def test_fp8_weights_match_the_models_fp8_matmul(m, k, n, act, tiling, dtype):
         assert rel_err(out, np.asarray(fp8_matmul(x, wq), np.float64)) < TOL[jnp.bfloat16]
 
 
+NATIVE_TILINGS = [MatmulTiling(block_n=32, block_k=64),
+                  MatmulTiling(block_n=64, block_k=32, k_splits=2, block_m=16),
+                  MatmulTiling(block_n=16, block_k=32, block_m=32, num_stages=2)]
+
+
+@pytest.mark.parametrize("m,k,n,act,tiling,out_dtype", [
+    (m, k, n, act, t, dt)
+    for (m, k, n), act, t, dt in itertools.product(
+        [(32, 128, 192), (64, 256, 64)], [None, "silu_mul"], NATIVE_TILINGS,
+        [jnp.float32, jnp.bfloat16])
+    if not (act and t.k_splits > 1) and (n // (2 if act else 1)) % t.block_n == 0
+])
+def test_native_fp8_x_matches_the_16_bit_held_values(m, k, n, act, tiling, out_dtype):
+    """x as float8_e4m3fn itself (the tensor cores' fp8 dot, `out_dtype` given) computes
+    the product of the same fp8 values held in float32, for every row block and K split:
+    both are exact products summed in float32."""
+    from models.fp8_linear import quantize_activations, quantize_weight
+
+    x, w = make(np.random.default_rng(m + n + k), m, k, n, jnp.float32)
+    x = x * jnp.asarray(np.geomspace(0.01, 100, m)[:, None], jnp.float32)
+    wq = quantize_weight(w)
+    x8, row_scale = quantize_activations(x)
+    scales = (row_scale[:, 0], wq.scale)
+    out = skinny_matmul(x8, wq.w8, act=act, tiling=tiling, interpret=INTERPRET,
+                        scales=scales, out_dtype=out_dtype)
+    held = skinny_matmul(x8.astype(jnp.float32), wq.w8, act=act, tiling=MatmulTiling(
+        block_n=16, block_k=32), interpret=INTERPRET, scales=scales)
+    assert out.dtype == out_dtype
+    assert rel_err(out, np.asarray(held, np.float64)) < (1e-5 if out_dtype == jnp.float32
+                                                          else TOL[jnp.bfloat16])
+
+
+def test_native_fp8_and_row_blocks_are_checked():
+    from models.fp8_linear import quantize_activations, quantize_weight
+
+    x, w = make(np.random.default_rng(1), 32, 64, 64, jnp.float32)
+    wq = quantize_weight(w)
+    x8, row_scale = quantize_activations(x)
+    scales = (row_scale[:, 0], wq.scale)
+    with pytest.raises(ValueError, match="an fp8 x needs out_dtype"):
+        skinny_matmul(x8, wq.w8, scales=scales, interpret=True)
+    with pytest.raises(ValueError, match="block_k 16 must be >= 32"):
+        skinny_matmul(x8, wq.w8, scales=scales, interpret=True, out_dtype=jnp.float32,
+                      tiling=MatmulTiling(block_n=16, block_k=16))
+    for bm in (8, 24, 64):
+        with pytest.raises(ValueError, match=f"block_m {bm} must be"):
+            skinny_matmul(x, w, interpret=True, tiling=MatmulTiling(block_n=16, block_m=bm))
+
+
 def test_fp8_scales_are_checked():
     from models.fp8_linear import quantize_weight
 
@@ -180,6 +245,25 @@ def test_fp8_scales_are_checked():
         skinny_matmul(x, w, scales=(jnp.ones(16), jnp.ones(64)), interpret=True)
     with pytest.raises(ValueError, match="must share a float dtype"):
         skinny_matmul(x, wq.w8, interpret=True)
+
+
+def test_fp8_tiling_takes_few_rows_of_every_7b_projection():
+    """Up to 16 rows (power of 2 >= 16) every Llama-2-7B and Llama-3-8B projection takes
+    the kernel with valid tilings; more rows are XLA's."""
+    from pallas_kernels.skinny_matmul import fp8_tiling
+
+    shapes = [(4096, 12288, None), (4096, 4096, None), (4096, 11008, "silu_mul"),
+              (11008, 4096, None), (4096, 6144, None), (4096, 14336, "silu_mul"),
+              (14336, 4096, None)]
+    x8 = jnp.zeros((16, 1), jnp.float8_e4m3fn)
+    for k, n, act in shapes:
+        t = fp8_tiling(16, k, n, act)
+        assert t is not None and fp8_tiling(32, k, n, act) is None
+        assert fp8_tiling(8, k, n, act) is None  # (the engine pads rows to 16)
+        cols = 2 * n if act else n
+        check_matmul_inputs(jnp.broadcast_to(x8, (16, k)),
+                            jax.ShapeDtypeStruct((cols, k), jnp.float8_e4m3fn), act, t,
+                            (jnp.ones(16), jnp.ones(cols)), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("act", [None, "silu_mul"])
@@ -197,6 +281,9 @@ def test_runner_linear_takes_fp8_weights_through_the_kernel_on_few_rows(act):
     wq = quantize_weight(w)
     x3 = x.reshape(2, 8, 64)
     assert _pallas_calls(lambda a: linear(a, wq, act), x3) == 1
+    # the fp8 x fp8 dot: the kernel takes the activations as fp8, not 16-bit held values
+    [operands] = _pallas_operands(lambda a: linear(a, wq, act), x3)
+    assert [str(a.dtype) for a in operands[:2]] == ["float8_e4m3fn"] * 2
     np.testing.assert_allclose(linear(x3, wq, act), dense_linear(x3, wq, act),
                                rtol=2e-5, atol=2e-5)
     alone = linear(jnp.concatenate([x[:1], jnp.zeros((15, 64))]), wq, act)[0]

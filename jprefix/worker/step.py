@@ -52,7 +52,12 @@ from pallas_kernels.paged_attention import (
     paged_attention_reference,
 )
 from pallas_kernels.rope_kv_write import rope_write_kv
-from pallas_kernels.skinny_matmul import SKINNY_MIN_PROGRAMS, skinny_matmul, skinny_tiling
+from pallas_kernels.skinny_matmul import (
+    SKINNY_MIN_PROGRAMS,
+    fp8_tiling,
+    skinny_matmul,
+    skinny_tiling,
+)
 
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
@@ -88,10 +93,10 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
 def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
     columns; one device), XLA's elsewhere (and for a mesh's row-parallel matmuls, whose
-    all-reduce XLA inserts). fp8 weights take the same choice, with the kernel's fp8
-    variant (`fp8_matmul`'s arithmetic, reading the fp8 bytes). Interpret mode takes
-    the kernel for any number of output columns (the rows' limit stays), so that the CPU
-    tests' small models run it."""
+    all-reduce XLA inserts). fp8 weights take the kernel's fp8 x fp8 variant
+    (`fp8_matmul`'s arithmetic, reading the fp8 bytes) on few rows at any column count
+    (`fp8_tiling`). Interpret mode takes the bf16 kernel for any number of output
+    columns (the rows' limit stays), so that the CPU tests' small models run it."""
     if backend == "xla" or mesh is not None:
         return dense_linear
     interpret = backend == "pallas-interpret"
@@ -101,13 +106,14 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
         fp8 = isinstance(w, Fp8Weight)
         n = w.shape[1] // (2 if act == "silu_mul" else 1)
         x2 = x.reshape(-1, x.shape[-1])
-        tiling = skinny_tiling(*x2.shape, n, act, min_programs=min_programs)
+        tiling = (fp8_tiling(*x2.shape, n, act) if fp8 else
+                  skinny_tiling(*x2.shape, n, act, min_programs=min_programs))
         if tiling is None or (not fp8 and x.dtype != w.dtype):
             return dense_linear(x, w, act)
-        if fp8:  # the activations quantised per row as fp8_matmul does, fp8 weights read
+        if fp8:  # the activations quantised per row as fp8_matmul does, fp8 x fp8 dot
             x8, row_scale = quantize_activations(x2)
-            out = skinny_matmul(x8.astype(x.dtype), w.w8, act=act, tiling=tiling,
-                                interpret=interpret, scales=(row_scale[:, 0], w.scale))
+            out = skinny_matmul(x8, w.w8, act=act, tiling=tiling, interpret=interpret,
+                                scales=(row_scale[:, 0], w.scale), out_dtype=x.dtype)
         else:
             out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
         return out.reshape(*x.shape[:-1], n)
