@@ -18,10 +18,6 @@ with a float32 scale per row and per output column, and x the activations' fp8 v
 either held in a 16-bit dtype (exact there: a program converts its weight tiles to that
 dtype in registers and multiplies in 16 bits) or as float8_e4m3fn itself (`out_dtype`
 given: both operands go to the tensor cores' fp8 dot as loaded, nothing is converted).
-Without row scales x holds the real activations and each program quantises its rows
-itself (the row's amax over all of K, then each tile scaled, clipped and cast as it is
-loaded): the product of the same fp8 values, with no quantising kernel before the matmul,
-which on a few-row step costs a launch as long as the matmul.
 Either way the dot accumulates in float32 and a program scales its columns once: the
 arithmetic of `fp8_matmul` (per-row activation quantisation, so a row's result does not
 depend on the other rows) with half the weight bytes of a 16-bit matmul.
@@ -43,7 +39,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import FLOAT_DTYPES, is_pow2
-from pallas_kernels.fp8 import quantize_with, row_scale
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)  # (models.fp8_linear's weight format)
 
@@ -102,19 +97,8 @@ def fp8_tiling(m: int, k: int, n: int, act: str | None) -> MatmulTiling | None:
     return MatmulTiling(block_n=block_n, block_k=block_k, k_splits=splits)
 
 
-def _row_scales(x_ref, r0, bm, bk, k):
-    """`fp8_matmul`'s per-row activation scales of x rows r0..r0+bm over all k columns
-    (every K split needs the whole row's amax), float32 [bm, 1]."""
-    def amax(i, m):
-        tile = x_ref[pl.ds(r0, bm), pl.ds(pl.multiple_of(i * bk, bk), bk)]
-        return jnp.maximum(m, jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1,
-                                      keepdims=True))
-    return row_scale(lax.fori_loop(0, k // bk, amax, jnp.zeros((bm, 1), jnp.float32)), FP8)
-
-
 def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
-                   num_rows: int, k_per_split: int, up_offset: int, fp8: bool,
-                   quantize: bool = False):
+                   num_rows: int, k_per_split: int, up_offset: int, fp8: bool):
     """x_ref [M, K], w_ref [K, N_w] (`fp8`: [N_w, K] fp8, then refs start with the row
     scales [M, 1] and column scales [1, N_w], float32), o_ref [M, N_out] (k_splits 1) or
     [k_splits * M, N_out] float32 partials; program (j, s, r) computes columns
@@ -126,10 +110,7 @@ def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
     n0 = pl.multiple_of(j * bn, bn)
     r0 = pl.multiple_of(r * bm, bm)
     k_lo = s * k_per_split
-    # fp8 x fp8 on the tensor cores: x given in fp8, or quantised here per row
-    native = x_ref.dtype == FP8 or quantize
-    if quantize:
-        x_scale = _row_scales(x_ref, r0, bm, bk, k_per_split * tiling.k_splits)
+    native = x_ref.dtype == FP8  # fp8 x fp8 on the tensor cores: nothing converted
 
     def load_w(k0, col0):  # (each weight byte is read once: evict it first)
         if fp8:  # [bn, bk] fp8, converted to x's 16-bit dtype unless native (exact)
@@ -147,7 +128,6 @@ def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
     def body(i, accs):
         k0 = pl.multiple_of(k_lo + i * bk, bk)
         x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]  # [bm, bk]
-        x = quantize_with(x, x_scale, FP8) if quantize else x
         out = [accs[0] + dot(x, load_w(k0, n0))]
         if act == "silu_mul":
             out.append(accs[1] + dot(x, load_w(k0, up_offset + n0)))
@@ -156,9 +136,8 @@ def _matmul_kernel(x_ref, w_ref, *refs, tiling: MatmulTiling, act: str | None,
     zeros = jnp.zeros((bm, bn), jnp.float32)
     accs = lax.fori_loop(0, k_per_split // bk, body, (zeros,) * (1 + (act == "silu_mul")))
     if fp8:  # y * row scale * column scale, as fp8_matmul (each partial: the sum is linear)
-        col_scale = scale_refs[-1]
-        rows = x_scale if quantize else scale_refs[0][pl.ds(r0, bm), :]
-        accs = tuple(a * rows * col_scale[:, pl.ds(col0, bn)]
+        row_scale, col_scale = scale_refs
+        accs = tuple(a * row_scale[pl.ds(r0, bm), :] * col_scale[:, pl.ds(col0, bn)]
                      for a, col0 in zip(accs, (n0, up_offset + n0)[:len(accs)], strict=True))
     if tiling.k_splits > 1:
         o_ref[pl.ds(s * num_rows + r0, bm), pl.ds(n0, bn)] = accs[0]
@@ -187,14 +166,10 @@ def check_matmul_inputs(x: jax.Array, w: jax.Array, act: str | None, tiling: Mat
         if w.dtype != FP8 or x.dtype not in (*FLOAT_DTYPES, FP8):
             raise ValueError(f"with scales, w ({w.dtype}) must be {FP8} [N, K] and x "
                              f"({x.dtype}) {FP8} or a float dtype holding fp8 values")
-        quantize = scales[0] is None  # x's real values, quantised in the kernel
-        if quantize and x.dtype == FP8:
-            raise ValueError("x is already fp8: pass its row scales")
-        if (x.dtype == FP8 or quantize) and tiling.block_k < 32:
+        if x.dtype == FP8 and tiling.block_k < 32:
             raise ValueError(f"block_k {tiling.block_k} must be >= 32 for an fp8 x "
                              "(the tensor cores' fp8 dot takes K in steps of 32)")
-        shapes = tuple(tuple(jnp.shape(a)) if a is not None else (x.shape[0],)
-                       for a in scales)
+        shapes = tuple(tuple(jnp.shape(a)) for a in scales)
         if shapes != ((x.shape[0],), (w_n,)):
             raise ValueError(f"scales {shapes} must be [M] = [{x.shape[0]}] and "
                              f"[N] = [{w_n}] for x {x.shape} and w {w.shape}")
@@ -241,9 +216,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
     M a power of 2 >= 16, N a multiple of block_n, K of block_k x k_splits); with
     `act="silu_mul"`, w is [K, 2F] and the result silu(x @ w[:, :F]) * (x @ w[:, F:]).
     `scales` = (row scales [M], column scales [N]) float32: w is fp8 [N, K] and the
-    product (x @ w.T) * row scale * column scale, x fp8 or fp8 values in a 16-bit dtype;
-    with row scales None, x holds real values and the kernel quantises its rows as
-    `fp8_matmul` does (one kernel, no separate quantising pass; module docstring)."""
+    product (x @ w.T) * row scale * column scale, x fp8 or fp8 values in a 16-bit dtype
+    (module docstring)."""
     check_matmul_inputs(x, w, act, tiling, scales, out_dtype)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
@@ -252,12 +226,10 @@ def skinny_matmul(x: jax.Array, w: jax.Array, *, act: str | None = None,
     out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1
                  else jax.ShapeDtypeStruct((splits * m, n), jnp.float32))
     kernel = functools.partial(_matmul_kernel, tiling=tiling, act=act, num_rows=m,
-                               k_per_split=k // splits, up_offset=n, fp8=scales is not None,
-                               quantize=scales is not None and scales[0] is None)
+                               k_per_split=k // splits, up_offset=n, fp8=scales is not None)
     inputs = (x, w)
     if scales is not None:
-        inputs += ((scales[0].astype(jnp.float32)[:, None],) if scales[0] is not None else ())
-        inputs += (scales[1].astype(jnp.float32)[None],)
+        inputs += (scales[0].astype(jnp.float32)[:, None], scales[1].astype(jnp.float32)[None])
     out = pl.pallas_call(
         kernel,
         grid=(n // tiling.block_n, splits, m // (tiling.block_m or m)),

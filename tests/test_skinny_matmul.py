@@ -217,32 +217,6 @@ def test_native_fp8_x_matches_the_16_bit_held_values(m, k, n, act, tiling, out_d
                                                           else TOL[jnp.bfloat16])
 
 
-@pytest.mark.parametrize("tiling", NATIVE_TILINGS)
-@pytest.mark.parametrize("act", [None, "silu_mul"])
-def test_in_kernel_quantisation_equals_quantising_first(tiling, act):
-    """Row scales None: the kernel quantises x's rows itself (each program over the whole
-    row, whatever its K split or row block) and computes exactly the product of
-    quantising first, rows of every size, a zero row and a clipped-free top included."""
-    from models.fp8_linear import quantize_activations, quantize_weight
-
-    m, k, n = 64, 256, 128
-    if act and tiling.k_splits > 1:
-        pytest.skip("silu_mul takes no K splits")
-    x, w = make(np.random.default_rng(7), m, k, n, jnp.bfloat16)
-    x = (x * jnp.asarray(np.geomspace(1e-3, 1e3, m)[:, None], jnp.bfloat16)).at[5].set(0)
-    wq = quantize_weight(w)
-    x8, xs = quantize_activations(x)
-    first = skinny_matmul(x8, wq.w8, act=act, tiling=tiling, interpret=INTERPRET,
-                          scales=(xs[:, 0], wq.scale), out_dtype=jnp.float32)
-    inside = skinny_matmul(x.astype(jnp.float32), wq.w8, act=act, tiling=tiling,
-                           interpret=INTERPRET, scales=(None, wq.scale))
-    np.testing.assert_allclose(np.asarray(inside), np.asarray(first), rtol=1e-6, atol=0)
-    assert not np.asarray(inside[5]).any()  # the zero row stays zero
-    with pytest.raises(ValueError, match="already fp8"):
-        skinny_matmul(x8, wq.w8, scales=(None, wq.scale), out_dtype=jnp.float32,
-                      interpret=True)
-
-
 def test_native_fp8_and_row_blocks_are_checked():
     from models.fp8_linear import quantize_activations, quantize_weight
 
@@ -307,10 +281,9 @@ def test_runner_linear_takes_fp8_weights_through_the_kernel_on_few_rows(act):
     wq = quantize_weight(w)
     x3 = x.reshape(2, 8, 64)
     assert _pallas_calls(lambda a: linear(a, wq, act), x3) == 1
-    # one kernel: it takes the real activations and quantises them itself (no separate
-    # quantising op before it), then the fp8 x fp8 dot
+    # the fp8 x fp8 dot: the kernel takes the activations as fp8, not 16-bit held values
     [operands] = _pallas_operands(lambda a: linear(a, wq, act), x3)
-    assert [str(a.dtype) for a in operands[:2]] == ["float32", "float8_e4m3fn"]
+    assert [str(a.dtype) for a in operands[:2]] == ["float8_e4m3fn"] * 2
     np.testing.assert_allclose(linear(x3, wq, act), dense_linear(x3, wq, act),
                                rtol=2e-5, atol=2e-5)
     alone = linear(jnp.concatenate([x[:1], jnp.zeros((15, 64))]), wq, act)[0]

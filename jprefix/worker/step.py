@@ -36,7 +36,7 @@ from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
 from models.config import ModelConfig
-from models.fp8_linear import Fp8Weight
+from models.fp8_linear import Fp8Weight, quantize_activations
 from models.llama import (
     LinearFn,
     QKVAttnFn,
@@ -110,9 +110,10 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
                   skinny_tiling(*x2.shape, n, act, min_programs=min_programs))
         if tiling is None or (not fp8 and x.dtype != w.dtype):
             return dense_linear(x, w, act)
-        if fp8:  # the kernel quantises the rows as fp8_matmul does, then fp8 x fp8
-            out = skinny_matmul(x2, w.w8, act=act, tiling=tiling, interpret=interpret,
-                                scales=(None, w.scale))
+        if fp8:  # the activations quantised per row as fp8_matmul does, fp8 x fp8 dot
+            x8, row_scale = quantize_activations(x2)
+            out = skinny_matmul(x8, w.w8, act=act, tiling=tiling, interpret=interpret,
+                                scales=(row_scale[:, 0], w.scale), out_dtype=x.dtype)
         else:
             out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
         return out.reshape(*x.shape[:-1], n)
