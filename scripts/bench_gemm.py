@@ -12,7 +12,8 @@ calls, as in the model where every layer has its own. `--quantization fp8` also 
 the fp8 path of the same matmuls (`models.fp8_linear`: per-channel fp8 weights, per-token
 fp8 activations, XLA's fp8 dot), with its error against the bf16 result, and the engine's
 choice for the rows (`worker.step._linear`: skinny_matmul's fp8 variant where it takes
-the rows, else the same XLA dot).
+the rows, else the same XLA dot). `--fp8-native` sweeps the kernel with the activations
+as fp8 (the tensor cores' fp8 x fp8 dot; the row quantisation inside the timed call).
 
     PYTHONPATH=$PWD python scripts/bench_gemm.py --output-json out/gemm.json
 """

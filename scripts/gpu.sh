@@ -28,6 +28,8 @@
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
 #   fp8_kernels  bench_kernels.py --sections fp8 (decode, bf16 vs fp8 cache) and
 #             bench_gemm.py --xla-only --quantization fp8                      ~3 min
+#   fp8_native   bench_gemm.py --fp8-native: the few-row kernel's fp8 x fp8 dot swept
+#             per projection at 16 / 128 / 256 rows vs XLA's fp8 and bf16 dots   ~5 min
 #   fp8_engine   bench_engine.py --skip-off: bf16, fp8 KV, fp8 weights, both  ~10 min
 #   fp8_sharegpt bench_throughput.py on ShareGPT, Llama-3-8B, bf16 vs both fp8
 #             (needs carry ["bench_data"])                                     ~6 min
@@ -143,6 +145,10 @@ job_fp8_kernels() {
   run fp8_gemm 200 python3 scripts/bench_gemm.py --xla-only --quantization fp8 \
     --rows 1 16 128 256 4096 --output-json "$OUT/fp8_gemm.json"
 }
+job_fp8_native() {
+  run fp8_native 330 python3 scripts/bench_gemm.py --xla-only --quantization fp8 --fp8-native \
+    --rows 16 128 256 --output-json "$OUT/fp8_native.json"
+}
 job_fp8_engine() {  # same process family, one mode per process; KV capacity in the JSON
   local a=(python3 scripts/bench_engine.py "${M[@]}" --output-len 128 --skip-off --ttft-reps 9)
   run fp8_engine_bf16 230 "${a[@]}" --output-json "$OUT/fp8_engine_bf16.json"
@@ -183,7 +189,7 @@ job_e() {
     --output-json "$OUT/e_sharegpt.json"
 }
 
-if [ $# -eq 0 ]; then sed -n '2,35p' "$0"; exit 2; fi
+if [ $# -eq 0 ]; then awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 2; fi
 for job in "$@"; do
   if ! declare -F "job_$job" > /dev/null; then echo "unknown job: $job" >&2; exit 2; fi
 done
