@@ -136,3 +136,32 @@ def test_unsupported_quantised_checkpoints_are_refused_through_load(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="compressed-tensors format None is not supported"):
         jprefix.load(str(tmp_path))
+
+
+def test_prepare_params_moves_what_it_made_into_fresh_buffers(sharp):
+    """With the weights donated, the leaves prepare_params made (unrolled, fused, fp8)
+    are copied into fresh buffers once everything they were made from is freed, so they
+    can fill the hole those leave (worker.params._compact); the copies hold the same
+    values, the leaves it kept from the caller are the caller's, the first buffers are
+    released."""
+    import jax
+
+    from jprefix.worker.params import _compact, prepare_params
+
+    cfg = sharp.config
+    want = prepare_params(sharp.params, cfg, unroll_layers=True, quantization="fp8")
+    given = jax.tree.map(lambda x: x.copy(), sharp.params)
+    got = prepare_params(given, cfg, unroll_layers=True, donate=True, quantization="fp8")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
+    kept = {id(x) for x in jax.tree.leaves(given)}
+    assert any(id(x) in kept for x in jax.tree.leaves(got))  # e.g. the embedding
+    assert all(x.is_deleted() for x in jax.tree.leaves(given)
+               if id(x) not in {id(y) for y in jax.tree.leaves(got)})
+
+    made, keep = jnp.arange(6.0), jnp.ones(3)
+    tree = {"made": made, "keep": keep}
+    out = _compact(tree, {id(keep)})
+    assert out["keep"] is keep and out["made"] is not made and made.is_deleted()
+    np.testing.assert_array_equal(out["made"], np.arange(6.0))

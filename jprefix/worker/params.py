@@ -3,6 +3,7 @@ per layer with fused projections on GPU, optionally quantised to fp8."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import jax
@@ -47,8 +48,34 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     elif quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
     if donate and params is not given:
+        given_ids = {id(x) for x in jax.tree.leaves(given)}
         kept = {id(x) for x in jax.tree.leaves(params)}
         for x in jax.tree.leaves(given):
             if id(x) not in kept:
                 x.delete()
+        params = _compact(params, given_ids)
     return params
+
+
+def _compact(params: Any, given_ids: set[int]) -> Any:
+    """`params` with every leaf this module made (id not in `given_ids`) copied into a
+    fresh buffer, then the originals deleted, once the buffers they were made from are
+    gone. Why: the KV cache is sized from the allocator's largest free block, since each
+    cache array must be contiguous (`kv_cache.auto_num_blocks`). The given weights (and,
+    with fp8, the unquantised per-layer ones) were allocated below the results and freed
+    after them, which leaves a hole of one model's weights below the results that no
+    cache array fits in. Copied after the frees, the results fill that hole (the
+    allocator takes the smallest free chunk that fits) and their old place joins the
+    free space above, so the cache can use it. Costs one device copy of the weights and
+    their size in free memory for a moment, before the cache exists. Leaves spread over
+    several processes stay where they are."""
+    leaves, treedef = jax.tree.flatten(params)
+    jax.block_until_ready(leaves)  # (the intermediates' buffers are released by now)
+    gc.collect()
+    fresh = [jax.device_put(x, x.sharding, may_alias=False)
+             if id(x) not in given_ids and x.is_fully_addressable else x for x in leaves]
+    jax.block_until_ready(fresh)
+    for old, new in zip(leaves, fresh, strict=True):
+        if new is not old:
+            old.delete()
+    return jax.tree.unflatten(treedef, fresh)
