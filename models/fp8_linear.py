@@ -8,9 +8,9 @@ cuBLASLt's fp8 GEMM takes on Hopper, so XLA transposes nothing per step); activa
 are quantised on the fly with one scale per token row (`ACTIVATION_SCALES = "token"`:
 its amax over the row; "tensor": one amax over the whole input, cheaper to reduce but
 an outlier token coarsens every other row); the dot takes both fp8 operands with
-float32 accumulation (`preferred_element_type`; XLA:GPU lowers it to cuBLASLt's fp8
-GEMM on Hopper, XLA:CPU emulates it), then scales the [T, out] result by the row scale
-times the column scale. Embeddings, norms and the lm_head stay in the model dtype.
+float32 accumulation, its result in the activations' dtype (`preferred_element_type`;
+XLA:GPU lowers it to cuBLASLt's fp8 GEMM on Hopper, XLA:CPU emulates it), then scales
+the [T, out] result by the row scale times the column scale. Embeddings, norms and the lm_head stay in the model dtype.
 Scales never 0 or inf for finite input; quantised values are clipped to +-448.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 ACTIVATION_SCALES = "token"  # "token" | "tensor" (module docstring)
+DOT_DTYPE = None  # the fp8 dot's result type before scaling (`fp8_matmul`); None: x's
 _TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -67,19 +68,32 @@ def dequantize_weight(w: Fp8Weight, dtype=jnp.float32) -> jax.Array:
     return jnp.swapaxes(full, -1, -2).astype(dtype)
 
 
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., in] -> (x8 [..., in] fp8, scale [..., 1] float32) per ACTIVATION_SCALES."""
+def quantize_activations(x: jax.Array, granularity: str | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
+    """x [..., in] -> (x8 [..., in] fp8, scale [..., 1] float32), one scale per row or
+    one for the whole input (`granularity` "token" / "tensor"; None: ACTIVATION_SCALES)."""
+    granularity = granularity or ACTIVATION_SCALES
+    if granularity not in ("token", "tensor"):
+        raise ValueError(f"activation scale granularity {granularity!r}: expected 'token' "
+                         "or 'tensor'")
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    if ACTIVATION_SCALES == "tensor":
+    if granularity == "tensor":
         amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
     scale = _scale(amax)
     return _quantize(x, scale), scale
 
 
-def fp8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
+def fp8_matmul(x: jax.Array, w: Fp8Weight, *, dot_dtype=None,
+               granularity: str | None = None) -> jax.Array:
     """x [..., in] @ the weight -> [..., out] in x.dtype: fp8 x fp8 with float32
-    accumulation, rescaled by the row and column scales (module docstring)."""
-    x8, xs = quantize_activations(x)
+    accumulation, rescaled by the row and column scales (module docstring).
+
+    `dot_dtype` (None: DOT_DTYPE, whose None is x.dtype) is the dot's result type before
+    the scales. In a 16-bit x.dtype the float32 sum is rounded once more before scaling
+    (2^-9 relative, against e4m3's 2^-4 steps); cuBLASLt's fp8 GEMM runs faster writing
+    16-bit output and the scaling pass reads half the bytes (docs/PERF.md).
+    `granularity` as in `quantize_activations`."""
+    x8, xs = quantize_activations(x, granularity)
     y = jax.lax.dot_general(x8, w.w8, (((x.ndim - 1,), (w.w8.ndim - 1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return (y * xs * w.scale).astype(x.dtype)
+                            preferred_element_type=dot_dtype or DOT_DTYPE or x.dtype)
+    return (y.astype(jnp.float32) * xs * w.scale).astype(x.dtype)

@@ -42,9 +42,11 @@ from pallas_kernels.paged_attention_tiling import BlockSizes, prefill_kv_splits
 
 # The shared-prefix part: 64-row tiles, its key range split (kv_splits None:
 # `resolve_prefix_block_sizes`) within ~384 programs, at most 8 ways. The per-sequence
-# suffix is short (a prompt's own tokens and the output): 32-key steps.
+# suffix is short (a prompt's own tokens and the output): 32-key steps; decoding over an
+# fp8 cache, one-page (16-key) steps by one-warp programs (`suffix_block_sizes`).
 PREFIX_BLOCK_SIZES = BlockSizes(block_q=64)
 SUFFIX_BLOCK_SIZES = BlockSizes(block_kv=32)
+FP8_DECODE_SUFFIX_BLOCK_SIZES = BlockSizes(block_kv=16, num_warps=1)
 _PREFIX_TARGET_PROGRAMS, _PREFIX_MAX_SPLITS = 384, 8
 
 
@@ -113,7 +115,7 @@ def cascade_attention(
     use_reference: bool = False,
     max_q_len: int | None = None,
     prefix_block_sizes: BlockSizes = PREFIX_BLOCK_SIZES,
-    suffix_block_sizes: BlockSizes = SUFFIX_BLOCK_SIZES,
+    suffix_block_sizes: BlockSizes | None = None,
     alibi_slopes: jax.Array | None = None,  # [H] float32
     k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
     v_scale: jax.Array | None = None,  # [L, K, N, B] float32
@@ -124,7 +126,7 @@ def cascade_attention(
     kv_lens = prefix + suffix). `max_q_len` is the suffix part's tiling hint (1 = decode);
     the prefix part always uses the prefill tiling. `prefix_block_sizes` and
     `suffix_block_sizes` tune the two `paged_attention` calls (the prefix's kv_splits
-    None: `resolve_prefix_block_sizes`). `use_reference` runs the same composition on
+    None: `resolve_prefix_block_sizes`; the suffix's None: `suffix_block_sizes`). `use_reference` runs the same composition on
     `paged_attention_reference` (the XLA path; the knobs are ignored there).
     `alibi_slopes` as in `paged_attention`, at each row's absolute position; an fp8
     cache's `k_scale`, `v_scale` as there (both parts read the cache through them).
@@ -143,12 +145,23 @@ def cascade_attention(
         prefix_bs = resolve_prefix_block_sizes(q, k_cache, prefix_block_sizes)
         o1, lse1 = paged_attention(**groups, causal=False, interpret=interpret,
                                    block_sizes=prefix_bs, **common)
+        suffix_bs = suffix_block_sizes or default_suffix_block_sizes(k_cache, max_q_len)
         o2, lse2 = paged_attention(**suffix, interpret=interpret, max_q_len=max_q_len,
-                                   block_sizes=suffix_block_sizes, **common)
+                                   block_sizes=suffix_bs, **common)
     if alibi_slopes is not None:  # the prefix part's rows at their true positions
         suffix_pos = token_positions(cu_q_lens, suffix_kv_lens, q.shape[0])[1]
         lse1 = lse1 - alibi_slopes[None, :] * suffix_pos[:, None].astype(jnp.float32)
     return merge_attention(o1, lse1, o2, lse2)[0]
+
+
+def default_suffix_block_sizes(k_cache: jax.Array, max_q_len: int | None) -> BlockSizes:
+    """The suffix part's knobs: FP8_DECODE_SUFFIX_BLOCK_SIZES when decoding (max_q_len 1)
+    over an fp8 cache, whose short suffixes (~100-250 keys) are bound by the latency of
+    each program, not by bytes: one-warp programs on one-page steps fit more programs per
+    SM; else SUFFIX_BLOCK_SIZES."""
+    if max_q_len == 1 and jnp.dtype(k_cache.dtype).itemsize == 1:
+        return FP8_DECODE_SUFFIX_BLOCK_SIZES
+    return SUFFIX_BLOCK_SIZES
 
 
 def resolve_prefix_block_sizes(q: jax.Array, k_cache: jax.Array,

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cascade_attention import (
-    SUFFIX_BLOCK_SIZES,
     cascade_attention,
+    default_suffix_block_sizes,
     resolve_prefix_block_sizes,
 )
 from pallas_kernels.fp8 import FP8_NAMES, quantize_rows
@@ -70,7 +70,8 @@ def parts(casc, scale, interpret=False, scales=None):
                              interpret=interpret, **(scales or {}))
     # both parts as cascade_attention runs them by default (it also prepends an empty
     # group: no work)
-    suffix = measure(functools.partial(attn, max_q_len=1, block_sizes=SUFFIX_BLOCK_SIZES),
+    suffix_bs = default_suffix_block_sizes(kc, 1)
+    suffix = measure(functools.partial(attn, max_q_len=1, block_sizes=suffix_bs),
                      q, kc, vc, layer, stab, slen, cu)
     prefix = measure(functools.partial(attn, causal=False,
                                        block_sizes=resolve_prefix_block_sizes(q, kc)),

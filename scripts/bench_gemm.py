@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jprefix.worker.step import _linear
-from models.fp8_linear import FP8, quantize_activations, quantize_weight
+from models.fp8_linear import FP8, fp8_matmul, quantize_activations, quantize_weight
 from models.llama import dense_linear
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
@@ -76,6 +76,19 @@ def time_matmul(fn, x, ws, interpret, device=False, calls=20):
     return timeit(fn, x, ws, reps=1, inner=1 if interpret else calls) / len(ws)
 
 
+FP8_VARIANTS = {"dot16": {"dot_dtype": jnp.bfloat16}, "tensor": {"granularity": "tensor"},
+                "tensor_dot16": {"dot_dtype": jnp.bfloat16, "granularity": "tensor"}}
+
+
+def _fp8_act(x, w, act, **kw):
+    """`dense_linear` over an fp8 weight with `fp8_matmul`'s variant `kw`."""
+    y = fp8_matmul(x, w, **kw)
+    if act != "silu_mul":
+        return y
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
 def bench_case(name, m, shape, args, interpret):
     k, n, act = shape
     dtype = jnp.float32 if interpret else jnp.bfloat16
@@ -101,6 +114,11 @@ def bench_case(name, m, shape, args, interpret):
         engine = jax.jit(lambda x, qws: [lin(x, w, act) for w in qws])
         row["fp8_engine_us"] = time_matmul(engine, x, qws, interpret, device=True) * 1e6
         row["fp8_engine_err"] = rel_err(engine(x, qws[:1])[0], ref)
+        # XLA's fp8 dot in other forms: a 16-bit dot result, one activation scale
+        for label, kw in FP8_VARIANTS.items():
+            fn = jax.jit(lambda x, qws, kw=kw: [_fp8_act(x, w, act, **kw) for w in qws])
+            row[f"fp8_{label}_us"] = time_matmul(fn, x, qws, interpret, device=True) * 1e6
+            row[f"fp8_{label}_err"] = rel_err(fn(x, qws[:1])[0], ref)
 
     if args.fp8_native:
         bench_native_fp8(row, x, [quantize_weight(w) for w in ws], act, ref, interpret)
@@ -198,6 +216,8 @@ def line(row):
     fp8 = (f"  fp8 {row['fp8_us']:7.1f} us ({row['xla_us'] / row['fp8_us']:.2f}x, err "
            f"{row['fp8_err']:.3f}), engine's {row['fp8_engine_us']:7.1f} us "
            f"({row['xla_us'] / row['fp8_engine_us']:.2f}x)" if "fp8_us" in row else "")
+    fp8 += "".join(f"  {k} {row[f'fp8_{k}_us']:.1f} us" for k in FP8_VARIANTS
+                   if f"fp8_{k}_us" in row)
     if "fp8_native_us" in row:
         nat = ", ".join(f"{k} {v}" for k, v in row["fp8_native_best"].items())
         fp8 += (f"  fp8 native {row['fp8_native_us']:7.1f} us "

@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from models.alibi import alibi_slopes
-from pallas_kernels.fp8 import FP8_NAMES, quantize_rows
+from pallas_kernels.fp8 import FP8_NAMES
 from pallas_kernels.paged_attention import paged_attention_reference
 from scripts.bench_write_kv import bench_write_kv
 from scripts.kernel_timing import (
     BF16,
     attention_fn,
     attn_pairs,
+    fp8_case,
     guarded,
     make_case,
     measure,
@@ -163,13 +164,6 @@ def bench_decode(smoke: bool, results: dict) -> None:
             del case
 
 
-def fp8_case(case: dict, fmt: str) -> dict:
-    """`case` with its caches quantised to fp8 format `fmt` (per-row scales)."""
-    k8, ks = quantize_rows(case["k_cache"], FP8_NAMES[fmt])
-    v8, vs = quantize_rows(case["v_cache"], FP8_NAMES[fmt])
-    return dict(case, k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs)
-
-
 def bench_fp8_decode(smoke: bool, results: dict, fmt: str = "fp8") -> None:
     """Decode tokens/s with a bf16 and an fp8 cache on the same batch (Llama-2-7B and
     Llama-3-8B heads, batch 64/256, context 2048), each tuned over a few split/warp knobs."""
@@ -180,7 +174,11 @@ def bench_fp8_decode(smoke: bool, results: dict, fmt: str = "fp8") -> None:
                                         # more bytes per program (an fp8 key is half)
                                         {"num_warps": 2, "block_kv": 128},
                                         {"num_warps": 2, "num_stages": 4},
-                                        {"num_warps": 2, "heads_per_tile": 2})]
+                                        {"num_warps": 2, "heads_per_tile": 2},
+                                        # one-warp programs, one or two pages a step
+                                        {"num_warps": 1, "block_kv": 16},
+                                        {"num_warps": 1, "block_kv": 32},
+                                        {"num_warps": 1, "block_kv": 16, "kv_splits": 2})]
     results["fp8_decode"] = []
     for name in ("llama2-7b", "llama3-8b"):
         heads = HEADS[name]

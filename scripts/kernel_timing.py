@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.fp8 import FP8_NAMES, quantize_rows
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_tiling import BlockSizes
 from scripts.device_trace import device_pids, load_trace, union_length
@@ -166,6 +167,14 @@ def make_case(seed: int, *, heads: tuple[int, int], seqs: list[tuple[int, int]],
         kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
         cu_q_lens=jnp.asarray(cu),
     )
+
+
+def fp8_case(case: dict, fmt: str) -> dict:
+    """`case` with its caches quantised to fp8 format `fmt` (the engine's per-row scales:
+    `k_scale`, `v_scale` join the case as `paged_attention`'s keyword arguments)."""
+    k8, ks = quantize_rows(case["k_cache"], FP8_NAMES[fmt])
+    v8, vs = quantize_rows(case["v_cache"], FP8_NAMES[fmt])
+    return dict(case, k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs)
 
 
 def attn_pairs(seqs: list[tuple[int, int]]) -> int:

@@ -25,8 +25,16 @@ import time
 
 import jax
 
+from pallas_kernels.fp8 import FP8_NAMES
 from pallas_kernels.paged_attention import paged_attention_reference
-from scripts.kernel_timing import attention_fn, device_times, make_case, rel_err, timeit
+from scripts.kernel_timing import (
+    attention_fn,
+    device_times,
+    fp8_case,
+    make_case,
+    rel_err,
+    timeit,
+)
 
 DECODE_KNOBS = {  # name -> BlockSizes fields (max_q_len=1 added)
     "default": {},
@@ -41,6 +49,8 @@ DECODE_KNOBS = {  # name -> BlockSizes fields (max_q_len=1 added)
     "s2": {"num_stages": 2},
     "s4": {"num_stages": 4},
     "w8": {"num_warps": 8},
+    "kv16/w1": {"block_kv": 16, "num_warps": 1},
+    "kv32/w1": {"block_kv": 32, "num_warps": 1},
     "no-mask-kv": {"mask_kv": False},
 }
 SPLIT_KNOBS = {f"{name}+split{s}": {**kw, "kv_splits": s}
@@ -68,7 +78,22 @@ SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2",
     # several KV heads per decode tile
     "hp2/kv32": {"heads_per_tile": 2, "block_kv": 32},
     "hp4/kv32/s2": {"heads_per_tile": 4, "block_kv": 32, "num_stages": 2},
-    "hp2": {"heads_per_tile": 2}}
+    "hp2": {"heads_per_tile": 2},
+    "kv16/w1": {"block_kv": 16, "num_warps": 1}, "kv32/w1": {"block_kv": 32, "num_warps": 1}}
+# an fp8 cache's decode: the engine's suffix knobs (block_kv 32; 2 warps, the fp8 default)
+# against more warps and stages, larger steps, several KV heads per tile
+FP8_DECODE_KNOBS = {
+    f"fp8 kv{kv}/w{w}/s{s}": {"block_kv": kv, "num_warps": w, "num_stages": s}
+    for kv, w, s in ((32, 2, 3), (32, 1, 3), (32, 4, 3), (32, 2, 2), (32, 2, 4), (16, 1, 3),
+                     (16, 1, 2), (16, 1, 4), (16, 2, 3), (64, 2, 3), (64, 1, 3), (128, 4, 2))} | {
+    "fp8 kv32/hp2": {"block_kv": 32, "heads_per_tile": 2},
+    "fp8 kv16/w1/hp2": {"block_kv": 16, "num_warps": 1, "heads_per_tile": 2},
+    "fp8 kv16/w1/1loop": {"block_kv": 16, "num_warps": 1, "single_loop": True},
+    "fp8 kv16/w1/no-prefetch": {"block_kv": 16, "num_warps": 1, "prefetch_pages": False},
+    "fp8 kv32/hp4/w4": {"block_kv": 32, "heads_per_tile": 4, "num_warps": 4},
+    "fp8 kv32/no-prefetch": {"block_kv": 32, "prefetch_pages": False},
+    "fp8 kv32/1loop": {"block_kv": 32, "single_loop": True},
+    "fp8 kv32/evict": {"block_kv": 32, "evict_first": True}}
 TTFT_KNOBS = {"default": {}} | {f"bq{bq}/split{s}": {"block_q": bq, "kv_splits": s}
                                 for bq, s in itertools.product((64, 128), (1, 2, 4, 8))} | {
     # the default's 128-row tile and 4 splits, each program latency-bound (~3 key steps;
@@ -130,21 +155,28 @@ def shapes(smoke: bool):
     return out
 
 
-def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps, profile=False):
+def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps, profile=False, fp8=None):
+    """Times every knob set of `knobs` on one shape (checked against the reference first);
+    `fp8` (an fp8 format name) quantises the case's caches as the engine's fp8 cache and
+    counts its bytes (D + 4 per row)."""
     case = make_case(len(name), **case_kw)
+    if fp8:
+        case = fp8_case(case, fp8)
+        kv_bytes = kv_bytes * (case["q"].shape[-1] + 4) // (2 * case["q"].shape[-1])
     scale = case["q"].shape[-1] ** -0.5
     ref = paged_attention_reference(**case, scale=scale, causal=fixed.get("causal", True),
                                     return_lse=fixed.get("return_lse", False))
     ref_o = ref[0] if isinstance(ref, tuple) else ref
     rows = []
     for label, kw in knobs.items():
-        fn = jax.jit(attention_fn(scale, smoke, kw, **fixed))
+        attn = attention_fn(scale, smoke, kw, **fixed)
+        fn = jax.jit(lambda c, attn=attn: attn(**c))  # (the fp8 scales are keyword-only)
         try:
-            out = fn(**case)
+            out = fn(case)
             out = out[0] if isinstance(out, tuple) else out
             err = rel_err(out, ref_o)
-            t = timeit(fn, *case.values(), reps=3 if smoke else reps) if err < 2e-2 else None
-            dev = device_times(fn, *case.values()) if t and profile else None
+            t = timeit(fn, case, reps=3 if smoke else reps) if err < 2e-2 else None
+            dev = device_times(fn, case) if t and profile else None
         except Exception as e:  # a config Triton cannot compile
             print(f"  {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             err, t, dev = None, None, None
@@ -171,17 +203,24 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per config")
     ap.add_argument("--profile", action="store_true", help="also trace each config with "
                     "jax.profiler: device time per call and the attention kernel's own")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(FP8_NAMES)],
+                    help="auto: bf16 caches; an fp8 format: the engine's fp8 cache, and the "
+                    "decode shapes sweep FP8_DECODE_KNOBS too")
     args = ap.parse_args(argv)
+    fp8 = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-              "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+              "date": time.strftime("%Y-%m-%d"), "kv_cache_dtype": args.kv_cache_dtype,
+              "shapes": {}}
     for name, case_kw, fixed, knobs, kv_bytes in shapes(args.smoke):
         if not any(part in name for part in args.only.split(",")):
             continue
+        if fp8 and fixed.get("max_q_len") == 1:
+            knobs = knobs | FP8_DECODE_KNOBS
         if args.smoke:  # interpret mode is slow: two configs per shape
             knobs = dict(list(knobs.items())[1:2] + list(knobs.items())[-1:])
         print(name, flush=True)
         result["shapes"][name] = sweep(name, case_kw, fixed, knobs, kv_bytes, args.smoke,
-                                        args.reps, args.profile)
+                                        args.reps, args.profile, fp8)
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=1)

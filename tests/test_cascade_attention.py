@@ -5,16 +5,22 @@ splits, padding and keyless rows), and `merge_attention` == attention over the u
 the keys. Interpret mode starts outputs as NaN, so "no NaN" proves every row was written.
 """
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_paged_attention import INTERPRET, TOL, dense_numpy, make_batch, rel_err
 
 from pallas_kernels.cascade_attention import (
+    FP8_DECODE_SUFFIX_BLOCK_SIZES,
+    SUFFIX_BLOCK_SIZES,
     cascade_attention,
     cascade_attention_reference,
+    default_suffix_block_sizes,
     merge_attention,
 )
+from pallas_kernels.fp8 import quantize_rows
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_attention_tiling import BlockSizes
 
@@ -241,3 +247,43 @@ def test_cascade_invalid_group_arrays_raise_value_error():
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             cascade_attention(**{**cascade, name: value}, scale=1.0)
+
+
+def _kernel_warps(fn, *args) -> list[int]:
+    """num_warps of every pallas_call in fn's jaxpr, in order."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn.params["compiler_params"].num_warps)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_fp8_decode_suffix_takes_one_warp_one_page_steps():
+    """Decoding over an fp8 cache, the suffix part runs FP8_DECODE_SUFFIX_BLOCK_SIZES (its
+    short suffixes are latency-bound); a 16-bit cache, or a prefill-tiled suffix, keeps
+    SUFFIX_BLOCK_SIZES. The fp8 cascade still equals the reference on the same cache."""
+    batch, cascade = make_cascade_batch(np.random.default_rng(7), GROUPS[:2], LONERS[:1],
+                                        block_size=16, dtype=jnp.bfloat16)
+    k8, ks = quantize_rows(cascade["k_cache"], jnp.float8_e4m3fn)
+    v8, vs = quantize_rows(cascade["v_cache"], jnp.float8_e4m3fn)
+    assert default_suffix_block_sizes(k8, 1) == FP8_DECODE_SUFFIX_BLOCK_SIZES
+    assert default_suffix_block_sizes(k8, None) == SUFFIX_BLOCK_SIZES
+    assert default_suffix_block_sizes(cascade["k_cache"], 1) == SUFFIX_BLOCK_SIZES
+    fp8 = dict(cascade, k_cache=k8, v_cache=v8)
+
+    def run(c, max_q_len, **kw):
+        return cascade_attention(**c, **kw, scale=SCALE, max_q_len=max_q_len,
+                                 interpret=INTERPRET)
+    scales = dict(k_scale=ks, v_scale=vs)
+    # the prefix part first, then the suffix part
+    assert _kernel_warps(lambda c: run(c, 1, **scales), fp8)[-1] == 1
+    assert 1 not in _kernel_warps(lambda c: run(c, None, **scales), fp8)
+    assert 1 not in _kernel_warps(lambda c: run(c, 1), cascade)
+    got = run(fp8, 1, **scales)
+    want = cascade_attention_reference(**fp8, scale=SCALE, **scales)
+    assert rel_err(got, want) < TOL[jnp.bfloat16]

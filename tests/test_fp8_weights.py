@@ -3,8 +3,10 @@ quantisation, the fp8 matmul against a float64 numpy emulation of the same schem
 engine against the dense reference on the same quantised weights (prefix cache on/off,
 with and without the fp8 KV cache), and the refusal of already-quantised checkpoints."""
 
+import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,6 +63,38 @@ def test_fp8_matmul_equals_the_scheme_in_float64():
     exact = np.asarray(x, np.float64) @ np.asarray(dequantize_weight(w), np.float64)
     rel = np.linalg.norm(got - exact, axis=1) / np.maximum(np.linalg.norm(exact, axis=1), 1e-30)
     assert np.all(rel[[0, 1, 2, 4]] < 0.06)
+
+
+def _dot_result_types(fn, *args) -> list:
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [e.params["preferred_element_type"] for e in jaxpr.eqns
+            if e.primitive.name == "dot_general"]
+
+
+def test_fp8_matmul_dot_result_in_the_activations_dtype():
+    """bf16 activations: the fp8 dot writes bf16 (the faster cuBLASLt output), float32 on
+    request; the result stays within one more bf16 rounding of the float64 scheme, and
+    granularity "tensor" takes one scale for all rows. A bad granularity names itself."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((6, 128)) * [[1], [8], [1e-2], [1], [50], [3]],
+                    jnp.bfloat16)
+    w = quantize_weight(jnp.asarray(rng.standard_normal((128, 48)), jnp.float32))
+    assert _dot_result_types(fp8_matmul, x, w) == [jnp.dtype(jnp.bfloat16)]
+    f32 = functools.partial(fp8_matmul, dot_dtype=jnp.float32)
+    assert _dot_result_types(f32, x, w) == [jnp.dtype(jnp.float32)]
+    assert _dot_result_types(fp8_matmul, x.astype(jnp.float32), w) == [jnp.dtype(jnp.float32)]
+    x8, xs = quantize_activations(x)
+    want = (np.asarray(x8, np.float64) * np.asarray(xs, np.float64)) @ \
+        np.asarray(dequantize_weight(w), np.float64)
+    for got in (fp8_matmul(x, w), f32(x, w)):
+        assert got.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(got, np.float64) - want)
+        assert np.all(err <= 2 ** -7 * np.abs(want) + 1e-6 * np.abs(want).max())
+    x8t, xst = quantize_activations(x, "tensor")
+    assert np.all(np.asarray(xst) == np.asarray(xst).max())
+    assert float(np.asarray(xst).max()) == float(np.asarray(xs).max())
+    with pytest.raises(ValueError, match="'row'"):
+        quantize_activations(x, "row")
 
 
 def test_dense_linear_takes_fp8_weights_with_silu_mul():
