@@ -10,8 +10,9 @@ its amax over the row; "tensor": one amax over the whole input, cheaper to reduc
 an outlier token coarsens every other row); the dot takes both fp8 operands with
 float32 accumulation, its result in the activations' dtype (`preferred_element_type`;
 XLA:GPU lowers it to cuBLASLt's fp8 GEMM on Hopper, XLA:CPU emulates it), then scales
-the [T, out] result by the row scale times the column scale. Embeddings, norms and the lm_head stay in the model dtype.
-Scales never 0 or inf for finite input; quantised values are clipped to +-448.
+the [T, out] result by the row scale times the column scale. Embeddings, norms and the
+lm_head stay in the model dtype. Scales never 0 or inf for finite input; quantised
+values are clipped to +-448.
 """
 
 from __future__ import annotations

@@ -126,8 +126,9 @@ def cascade_attention(
     kv_lens = prefix + suffix). `max_q_len` is the suffix part's tiling hint (1 = decode);
     the prefix part always uses the prefill tiling. `prefix_block_sizes` and
     `suffix_block_sizes` tune the two `paged_attention` calls (the prefix's kv_splits
-    None: `resolve_prefix_block_sizes`; the suffix's None: `suffix_block_sizes`). `use_reference` runs the same composition on
-    `paged_attention_reference` (the XLA path; the knobs are ignored there).
+    None: `resolve_prefix_block_sizes`; the suffix's None: `default_suffix_block_sizes`).
+    `use_reference` runs the same composition on `paged_attention_reference` (the XLA
+    path; the knobs are ignored there).
     `alibi_slopes` as in `paged_attention`, at each row's absolute position; an fp8
     cache's `k_scale`, `v_scale` as there (both parts read the cache through them).
     """
