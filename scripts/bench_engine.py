@@ -200,23 +200,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     multi = dict(coordinator_address=args.coordinator_address,
                  num_processes=args.num_processes, process_id=args.process_id)
-    sharded = args.tensor_parallel_size > 1 or any(v is not None for v in multi.values())
-    if sharded:  # each engine loads the model by name, sharded over its mesh
-        model = args.model
-        vocab_size = model_config(args.model, args.load_format).vocab_size
-        engine_kw = dict(dtype=args.dtype, load_format=args.load_format,
-                         tensor_parallel_size=args.tensor_parallel_size, **multi)
-    else:
-        model = load(args.model, dtype=args.dtype, load_format=args.load_format,
-                     tokenizer=args.tokenizer)
-        vocab_size, engine_kw = model.config.vocab_size, {}
-    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len, vocab_size, 0)
-    results: dict = {"model": args.model, "num_prompts": args.num_prompts,
-                     "prefix_len": args.prefix_len, "unique_len": args.unique_len,
-                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                     "data_parallel_size": args.data_parallel_size,
-                     "async_scheduling": not args.no_async_scheduling,
-                     "structured_regex": args.structured_regex, **fp8_kwargs(args)}
     fixed = {"auto": None, "on": True, "off": False}[args.fixed_inputs]
     modes = [("on", True, True)]  # (tag, prefix caching, cascade decode)
     if args.compare_cascade:
@@ -227,6 +210,26 @@ def main(argv: list[str] | None = None) -> dict:
         modes = [("on_sampling", True, True)]
     if args.structured_regex is not None:
         modes = [("on_structured", True, True)]
+    sharded = args.tensor_parallel_size > 1 or any(v is not None for v in multi.values())
+    if sharded or (len(modes) == 1 and args.tokenizer is None):
+        # the engine loads the model by name (sharded over its mesh), as `LLM(name)` does:
+        # it owns the weights, so the loaded copy is freed once its layout is made, and
+        # the KV capacity is what a user gets
+        model = args.model
+        vocab_size = model_config(args.model, args.load_format).vocab_size
+        engine_kw = dict(dtype=args.dtype, load_format=args.load_format,
+                         tensor_parallel_size=args.tensor_parallel_size, **multi)
+    else:  # one load for several engines (the caller keeps the loaded weights)
+        model = load(args.model, dtype=args.dtype, load_format=args.load_format,
+                     tokenizer=args.tokenizer)
+        vocab_size, engine_kw = model.config.vocab_size, {}
+    prompts = make_prompts(args.num_prompts, args.prefix_len, args.unique_len, vocab_size, 0)
+    results: dict = {"model": args.model, "num_prompts": args.num_prompts,
+                     "prefix_len": args.prefix_len, "unique_len": args.unique_len,
+                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                     "data_parallel_size": args.data_parallel_size,
+                     "async_scheduling": not args.no_async_scheduling,
+                     "structured_regex": args.structured_regex, **fp8_kwargs(args)}
     num_blocks = args.num_kv_blocks  # fixed after the first engine: same shapes, no recompile
     for tag, caching, cascade in modes:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,

@@ -199,3 +199,26 @@ def test_prepare_params_moves_what_it_made_into_fresh_buffers(sharp):
     out = _compact(tree, {id(keep)})
     assert out["keep"] is keep and out["made"] is not made and made.is_deleted()
     np.testing.assert_array_equal(out["made"], np.arange(6.0))
+
+
+def test_prepare_params_settles_what_it_made_before_the_cache_is_sized(sharp, monkeypatch):
+    """The KV cache is sized from the memory free once prepare_params returns, so the
+    computations that made new weights must have ended (a buffer they consumed counts as
+    in use until then): `settle` runs on the result whenever the layout changed, donated
+    or not, and not when nothing was made."""
+    import jax
+
+    import jprefix.worker.params as wp
+
+    seen = []
+    monkeypatch.setattr(wp, "settle", lambda p: seen.append(p))
+    cfg = sharp.config
+    got = wp.prepare_params(sharp.params, cfg, unroll_layers=True, quantization="fp8")
+    assert len(seen) == 1 and seen[0] is got
+    seen.clear()
+    assert wp.prepare_params(got, cfg, unroll_layers=True) is got  # idempotent: no work
+    assert seen == []
+    leaves = jax.tree.leaves(got)
+    monkeypatch.undo()
+    wp.settle(got)  # the real one: every leaf ready
+    assert all(x.is_ready() for x in leaves)

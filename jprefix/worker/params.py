@@ -47,6 +47,8 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
         params = quantize_linears(params)
     elif quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
+    if params is not given:  # (the KV cache is sized from the memory free after this)
+        settle(params)
     if donate and params is not given:
         given_ids = {id(x) for x in jax.tree.leaves(given)}
         kept = {id(x) for x in jax.tree.leaves(params)}
@@ -55,6 +57,15 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
                 x.delete()
         params = _compact(params, given_ids)
     return params
+
+
+def settle(params: Any) -> None:
+    """Waits for the computations that made `params`, then collects garbage: a buffer
+    dropped while a computation still reads it (the per-layer copies that fp8
+    quantisation consumed) stays counted in use until that computation ends, and the KV
+    cache sized from the free memory before then would lose their size."""
+    jax.block_until_ready(params)
+    gc.collect()
 
 
 def _compact(params: Any, given_ids: set[int]) -> Any:
@@ -70,8 +81,7 @@ def _compact(params: Any, given_ids: set[int]) -> Any:
     their size in free memory for a moment, before the cache exists. Leaves spread over
     several processes stay where they are."""
     leaves, treedef = jax.tree.flatten(params)
-    jax.block_until_ready(leaves)  # (the intermediates' buffers are released by now)
-    gc.collect()
+    settle(leaves)
     fresh = [jax.device_put(x, x.sharding, may_alias=False)
              if id(x) not in given_ids and x.is_fully_addressable else x for x in leaves]
     jax.block_until_ready(fresh)
