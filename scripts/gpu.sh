@@ -30,6 +30,8 @@
 #             bench_gemm.py --xla-only --quantization fp8                      ~3 min
 #   fp8_native   bench_gemm.py --fp8-native: the few-row kernel's fp8 x fp8 dot swept
 #             per projection at 16 / 128 / 256 rows vs XLA's fp8 and bf16 dots   ~5 min
+#   fp8_suffix   sweep_attention.py --kv-cache-dtype fp8 on the cascade suffix shapes,
+#             bench_cascade.py bf16 vs fp8 at 256 x (592 + 232)                ~4 min
 #   fp8_engine   bench_engine.py --skip-off: bf16, fp8 KV, fp8 weights, both  ~10 min
 #   fp8_sharegpt bench_throughput.py on ShareGPT, Llama-3-8B, bf16 vs both fp8
 #             (needs carry ["bench_data"])                                     ~6 min
@@ -148,6 +150,15 @@ job_fp8_kernels() {
 job_fp8_native() {
   run fp8_native 330 python3 scripts/bench_gemm.py --xla-only --quantization fp8 --fp8-native \
     --rows 16 128 256 --output-json "$OUT/fp8_native.json"
+}
+job_fp8_suffix() {
+  run fp8_suffix 280 python3 scripts/sweep_attention.py --kv-cache-dtype fp8 --profile --reps 5 \
+    --only "cascade suffix,short suffix" --output-json "$OUT/fp8_suffix.json"
+  local d
+  for d in auto fp8; do
+    run "cascade_$d" 90 python3 scripts/bench_cascade.py --seqs 256 --prefix 592 \
+      --kv-cache-dtype $d --output-json "$OUT/cascade_$d.json"
+  done
 }
 job_fp8_engine() {  # same process family, one mode per process; KV capacity in the JSON
   local a=(python3 scripts/bench_engine.py "${M[@]}" --output-len 128 --skip-off --ttft-reps 9)
