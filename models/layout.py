@@ -152,17 +152,35 @@ def _split_layers(x: jax.Array) -> list[jax.Array]:
 _LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def quantize_linears(params: Params) -> Params:
-    """The params with every linear layer's weight an fp8 `Fp8Weight` (per output channel
+_MLP = ("w_gate", "w_up", "w_down")
+
+
+def quantize_linears(params: Params, keep_last_mlp: bool = True) -> Params:
+    """The params with the linear layers' weights fp8 `Fp8Weight`s (per output channel
     scales, `models.fp8_linear`), in any layout (fused columns quantise as their parts
     would: the scales are per column); embed, norms, biases and lm_head unchanged.
-    Weights already fp8 are kept."""
+    Weights already fp8 are kept. Idempotent.
 
-    def quantize(lp: LayerParams) -> LayerParams:
+    `keep_last_mlp`: the last layer's MLP (gate, up, down) stays in the model dtype. Its
+    output reaches the logits through the final norm alone, so its rounding is the one
+    no later layer dilutes; on SmolLM2-135M it is about half of fp8 weights' perplexity
+    cost, for ~2% of a 7B model's linear weights (docs/PERF.md, "fp8"). Stacked params
+    are then split per layer first (layout "per_layer"): one stack cannot mix dtypes.
+    """
+    if keep_last_mlp and params.layout == "stacked":
+        params = unstack_layers(params)
+
+    def quantize(lp: LayerParams, keep: tuple[str, ...] = ()) -> LayerParams:
         return dataclasses.replace(lp, **{
             name: quantize_weight(w) for name in _LINEARS
-            if (w := getattr(lp, name)) is not None and not isinstance(w, Fp8Weight)})
+            if name not in keep and (w := getattr(lp, name)) is not None
+            and not isinstance(w, Fp8Weight)})
 
     layers = params.layers
-    layers = tuple(map(quantize, layers)) if isinstance(layers, tuple) else quantize(layers)
+    if isinstance(layers, tuple):
+        last = len(layers) - 1
+        layers = tuple(quantize(lp, _MLP if keep_last_mlp and i == last else ())
+                       for i, lp in enumerate(layers))
+    else:
+        layers = quantize(layers)
     return dataclasses.replace(params, layers=layers)

@@ -97,6 +97,36 @@ def test_fp8_matmul_dot_result_in_the_activations_dtype():
         quantize_activations(x, "row")
 
 
+def test_quantize_linears_keeps_the_last_layers_mlp_in_the_model_dtype(sharp):
+    """Every linear weight becomes an Fp8Weight except the last layer's gate, up and down
+    (kept as they were, the same arrays); stacked params come back per layer (a stack
+    holds one dtype). keep_last_mlp=False quantises all of it in any layout. Both are
+    idempotent, and the fused layout keeps its fused last-layer MLP the same way."""
+    from models.layout import unstack_layers
+
+    stacked = sharp.params
+    num_layers = stacked.layers.wq.shape[0]
+    got = quantize_linears(stacked)
+    assert got.layout == "per_layer" and len(got.layers) == num_layers
+    for i, lp in enumerate(got.layers):
+        last = i == num_layers - 1
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            w = getattr(lp, name)
+            assert isinstance(w, Fp8Weight) != (last and name in ("w_gate", "w_up", "w_down"))
+    np.testing.assert_array_equal(got.layers[-1].w_down, stacked.layers.w_down[-1])
+    again = quantize_linears(got)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got),
+                                      strict=True))
+    everything = quantize_linears(stacked, keep_last_mlp=False)
+    assert everything.layout == "stacked"
+    assert isinstance(everything.layers.w_down, Fp8Weight)
+    fused = quantize_linears(unstack_layers(stacked, fuse=True))
+    assert fused.layout == "fused"
+    assert isinstance(fused.layers[-1].wq, Fp8Weight)
+    assert not isinstance(fused.layers[-1].w_gate, Fp8Weight)  # [gate | up] of the last
+    assert isinstance(fused.layers[0].w_gate, Fp8Weight)
+
+
 def test_dense_linear_takes_fp8_weights_with_silu_mul():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
@@ -138,7 +168,9 @@ def test_engine_with_fp8_weights_equals_dense_reference_on_the_same_weights(
         llm = LLM(sharp, block_size=BS, num_kv_blocks=64, attention_backend="xla",
                   quantization="fp8", kv_cache_dtype=kv_cache_dtype,
                   enable_prefix_caching=caching)
-        assert isinstance(llm.engine.runner.params.layers.wq, Fp8Weight)
+        layers = llm.engine.runner.params.layers
+        assert isinstance(layers[0].wq, Fp8Weight) and isinstance(layers[-1].wq, Fp8Weight)
+        assert not isinstance(layers[-1].w_down, Fp8Weight)  # the last MLP: model dtype
         # its steps compile with XLA's Triton GEMMs off (worker.xla_flags)
         assert llm.engine.runner._step is compiled_steps(True)[0] is not compiled_steps(False)[0]
         assert not isinstance(sharp.params.layers.wq, Fp8Weight)  # the caller's untouched

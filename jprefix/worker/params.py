@@ -26,7 +26,8 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     `donate`: the caller hands the weights over, so the input buffers the result does
     not reuse are freed at once (one copy of the weights on the device, not two, before
     the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
-    fp8 (one device)."""
+    fp8 (one device; `layout.quantize_linears`: the last layer's MLP stays in the model
+    dtype, except for an fp8 checkpoint)."""
     if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
         unroll_layers = jax.default_backend() == "gpu"
     given = params
@@ -44,7 +45,8 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
         if mesh is not None:
             raise ValueError("quantization='fp8' runs on one device (tensor_parallel_size 1)")
         check_fp8_device("quantization='fp8'")
-        params = quantize_linears(params)
+        # a checkpoint's own fp8 values are served as they are, the last MLP too
+        params = quantize_linears(params, keep_last_mlp=not cfg.checkpoint_quantization)
     elif quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
     if params is not given:  # (the KV cache is sized from the memory free after this)
