@@ -26,8 +26,8 @@
 #             ["bench_data"] holding smollm2_tokenizer/ (`python scripts/workloads.py
 #             tokenizer --output bench_data/smollm2_tokenizer`) and llguidance    ~6 min
 #   hf        bench_hf.py: HF transformers generate, the in-run peer          ~2 min
-#   fp8_kernels  bench_kernels.py --sections fp8 (decode, bf16 vs fp8 cache) and
-#             bench_gemm.py --xla-only --quantization fp8                      ~3 min
+#   fp8_kernels  bench_kernels.py --sections fp8 (decode, bf16 vs fp8 cache, 11 knob
+#             sets each) and bench_gemm.py --xla-only --quantization fp8       ~6 min
 #   fp8_native   bench_gemm.py --fp8-native: the few-row kernel's fp8 x fp8 dot swept
 #             per projection at 16 / 128 / 256 rows vs XLA's fp8 and bf16 dots   ~5 min
 #   fp8_suffix   sweep_attention.py --kv-cache-dtype fp8 on the cascade suffix shapes,
@@ -142,7 +142,7 @@ job_hf() {
     --output-len 128 --output-json "$OUT/hf.json"
 }
 job_fp8_kernels() {
-  run fp8_kernels 200 python3 scripts/bench_kernels.py --sections fp8 \
+  run fp8_kernels 330 python3 scripts/bench_kernels.py --sections fp8 \
     --output-json "$OUT/fp8_kernels.json"
   run fp8_gemm 200 python3 scripts/bench_gemm.py --xla-only --quantization fp8 \
     --rows 1 16 128 256 4096 --output-json "$OUT/fp8_gemm.json"
