@@ -95,6 +95,8 @@ def fp8_matmul(x: jax.Array, w: Fp8Weight, *, dot_dtype=None,
     16-bit output and the scaling pass reads half the bytes (docs/PERF.md).
     `granularity` as in `quantize_activations`."""
     x8, xs = quantize_activations(x, granularity)
+    if dot_dtype is None:
+        dot_dtype = x.dtype if DOT_DTYPE is None else DOT_DTYPE
     y = jax.lax.dot_general(x8, w.w8, (((x.ndim - 1,), (w.w8.ndim - 1,)), ((), ())),
-                            preferred_element_type=dot_dtype or DOT_DTYPE or x.dtype)
+                            preferred_element_type=dot_dtype)
     return (y.astype(jnp.float32) * xs * w.scale).astype(x.dtype)

@@ -80,7 +80,7 @@ def test_fp8_matmul_dot_result_in_the_activations_dtype():
                     jnp.bfloat16)
     w = quantize_weight(jnp.asarray(rng.standard_normal((128, 48)), jnp.float32))
     assert _dot_result_types(fp8_matmul, x, w) == [jnp.dtype(jnp.bfloat16)]
-    f32 = functools.partial(fp8_matmul, dot_dtype=jnp.float32)
+    f32 = functools.partial(fp8_matmul, dot_dtype=jnp.dtype(jnp.float32))
     assert _dot_result_types(f32, x, w) == [jnp.dtype(jnp.float32)]
     assert _dot_result_types(fp8_matmul, x.astype(jnp.float32), w) == [jnp.dtype(jnp.float32)]
     x8, xs = quantize_activations(x)
