@@ -46,7 +46,12 @@ def dense_linear(x: jax.Array, w: jax.Array | Fp8Weight, act: str | None = None
                  ) -> jax.Array:
     """The model's matmuls as XLA runs them (the default `LinearFn`); an fp8 weight
     (`quantization="fp8"`) through `models.fp8_linear.fp8_matmul`."""
-    y = fp8_matmul(x, w) if isinstance(w, Fp8Weight) else x @ w
+    return apply_act(fp8_matmul(x, w) if isinstance(w, Fp8Weight) else x @ w, act)
+
+
+def apply_act(y: jax.Array, act: str | None) -> jax.Array:
+    """A `LinearFn`'s activation on its matmul result y: None, y; "silu_mul", y's
+    [gate | up] halves as silu(gate) * up."""
     if act != "silu_mul":
         return y
     gate, up = jnp.split(y, 2, axis=-1)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import INT32
+from pallas_kernels.fp8 import is_fp8
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
@@ -168,7 +169,7 @@ def default_suffix_block_sizes(k_cache: jax.Array, max_q_len: int | None,
     SM (docs/KERNEL_NOTES.md); longer ones keep the 2-warp, 32-key steps measured on
     long contexts. Else SUFFIX_BLOCK_SIZES."""
     short = suffix_blocks * k_cache.shape[3] <= _FP8_SHORT_SUFFIX_KEYS
-    if max_q_len == 1 and jnp.dtype(k_cache.dtype).itemsize == 1 and short:
+    if max_q_len == 1 and is_fp8(k_cache.dtype) and short:
         return FP8_DECODE_SUFFIX_BLOCK_SIZES
     return SUFFIX_BLOCK_SIZES
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from jprefix.worker.step import _linear
 from models.fp8_linear import FP8, fp8_matmul, quantize_activations, quantize_weight
-from models.llama import dense_linear
+from models.llama import apply_act, dense_linear
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
     check_matmul_inputs,
@@ -80,15 +80,6 @@ FP8_VARIANTS = {"dot16": {"dot_dtype": jnp.bfloat16}, "tensor": {"granularity": 
                 "tensor_dot16": {"dot_dtype": jnp.bfloat16, "granularity": "tensor"}}
 
 
-def _fp8_act(x, w, act, **kw):
-    """`dense_linear` over an fp8 weight with `fp8_matmul`'s variant `kw`."""
-    y = fp8_matmul(x, w, **kw)
-    if act != "silu_mul":
-        return y
-    gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
 def bench_case(name, m, shape, args, interpret):
     k, n, act = shape
     dtype = jnp.float32 if interpret else jnp.bfloat16
@@ -116,7 +107,8 @@ def bench_case(name, m, shape, args, interpret):
         row["fp8_engine_err"] = rel_err(engine(x, qws[:1])[0], ref)
         # XLA's fp8 dot in other forms: a 16-bit dot result, one activation scale
         for label, kw in FP8_VARIANTS.items():
-            fn = jax.jit(lambda x, qws, kw=kw: [_fp8_act(x, w, act, **kw) for w in qws])
+            fn = jax.jit(lambda x, qws, kw=kw: [apply_act(fp8_matmul(x, w, **kw), act)
+                                                     for w in qws])
             row[f"fp8_{label}_us"] = time_matmul(fn, x, qws, interpret, device=True) * 1e6
             row[f"fp8_{label}_err"] = rel_err(fn(x, qws[:1])[0], ref)
 

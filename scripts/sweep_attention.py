@@ -73,19 +73,20 @@ PREFILL_KNOBS = {
 }
 
 POOL_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "kv128/s2", "w2", "evict")}
-SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2", "w2")} | {
+SHORT_KNOBS = {k: DECODE_KNOBS[k] for k in ("default", "no-mask-kv", "kv128/s2", "w2",
+                                            "kv16/w1", "kv32/w1")} | {
     "kv32": {"block_kv": 32}, "kv32/no-mask-kv": {"block_kv": 32, "mask_kv": False},
     # several KV heads per decode tile
     "hp2/kv32": {"heads_per_tile": 2, "block_kv": 32},
     "hp4/kv32/s2": {"heads_per_tile": 4, "block_kv": 32, "num_stages": 2},
-    "hp2": {"heads_per_tile": 2},
-    "kv16/w1": {"block_kv": 16, "num_warps": 1}, "kv32/w1": {"block_kv": 32, "num_warps": 1}}
-# an fp8 cache's decode: the engine's suffix knobs (block_kv 32; 2 warps, the fp8 default)
-# against more warps and stages, larger steps, several KV heads per tile
+    "hp2": {"heads_per_tile": 2}}
+# an fp8 cache's decode (with the tables above): warps, stages and step sizes around the
+# engine's fp8 suffix knobs (block_kv 16, 1 warp) and the fp8 decode default (2 warps),
+# several KV heads per tile
 FP8_DECODE_KNOBS = {
     f"fp8 kv{kv}/w{w}/s{s}": {"block_kv": kv, "num_warps": w, "num_stages": s}
-    for kv, w, s in ((32, 2, 3), (32, 1, 3), (32, 4, 3), (32, 2, 2), (32, 2, 4), (16, 1, 3),
-                     (16, 1, 2), (16, 1, 4), (16, 2, 3), (64, 2, 3), (64, 1, 3), (128, 4, 2))} | {
+    for kv, w, s in ((32, 4, 3), (32, 2, 2), (32, 2, 4), (16, 1, 2), (16, 1, 4), (16, 2, 3),
+                     (64, 2, 3), (64, 1, 3), (128, 4, 2))} | {
     "fp8 kv32/hp2": {"block_kv": 32, "heads_per_tile": 2},
     "fp8 kv16/w1/hp2": {"block_kv": 16, "num_warps": 1, "heads_per_tile": 2},
     "fp8 kv16/w1/1loop": {"block_kv": 16, "num_warps": 1, "single_loop": True},
@@ -155,6 +156,15 @@ def shapes(smoke: bool):
     return out
 
 
+def distinct(knobs: dict) -> dict:
+    """`knobs` without the knob sets equal to an earlier one (merged tables repeat some)."""
+    out = {}
+    for label, kw in knobs.items():
+        if kw not in out.values():
+            out[label] = kw
+    return out
+
+
 def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps, profile=False, fp8=None):
     """Times every knob set of `knobs` on one shape (checked against the reference first);
     `fp8` (an fp8 format name) quantises the case's caches as the engine's fp8 cache and
@@ -215,7 +225,7 @@ def main(argv=None) -> int:
         if not any(part in name for part in args.only.split(",")):
             continue
         if fp8 and fixed.get("max_q_len") == 1:
-            knobs = knobs | FP8_DECODE_KNOBS
+            knobs = distinct(knobs | FP8_DECODE_KNOBS)
         if args.smoke:  # interpret mode is slow: two configs per shape
             knobs = dict(list(knobs.items())[1:2] + list(knobs.items())[-1:])
         print(name, flush=True)

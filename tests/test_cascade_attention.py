@@ -5,11 +5,10 @@ splits, padding and keyless rows), and `merge_attention` == attention over the u
 the keys. Interpret mode starts outputs as NaN, so "no NaN" proves every row was written.
 """
 
-import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import equations
 from test_paged_attention import INTERPRET, TOL, dense_numpy, make_batch, rel_err
 
 from pallas_kernels.cascade_attention import (
@@ -251,16 +250,8 @@ def test_cascade_invalid_group_arrays_raise_value_error():
 
 def _kernel_warps(fn, *args) -> list[int]:
     """num_warps of every pallas_call in fn's jaxpr, in order."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(eqn.params["compiler_params"].num_warps)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [eqn.params["compiler_params"].num_warps
+            for eqn in equations(fn, *args, primitive="pallas_call")]
 
 
 def test_fp8_decode_suffix_takes_one_warp_one_page_steps():

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import equations
 
 import jprefix
 from jprefix import LLM, SamplingParams
@@ -66,9 +67,8 @@ def test_fp8_matmul_equals_the_scheme_in_float64():
 
 
 def _dot_result_types(fn, *args) -> list:
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [e.params["preferred_element_type"] for e in jaxpr.eqns
-            if e.primitive.name == "dot_general"]
+    return [e.params["preferred_element_type"]
+            for e in equations(fn, *args, primitive="dot_general")]
 
 
 def test_fp8_matmul_dot_result_in_the_activations_dtype():

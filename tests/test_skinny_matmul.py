@@ -8,10 +8,10 @@ the compiled Triton kernel.
 import itertools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import equations
 
 from pallas_kernels.skinny_matmul import (
     MatmulTiling,
@@ -110,16 +110,8 @@ def _pallas_calls(fn, *args):
 
 def _pallas_operands(fn, *args):
     """The operand avals of every pallas_call in fn's jaxpr (nested jaxprs included)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append([v.aval for v in eqn.invars])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [[v.aval for v in eqn.invars]
+            for eqn in equations(fn, *args, primitive="pallas_call")]
 
 
 @pytest.mark.parametrize("act", [None, "silu_mul"])

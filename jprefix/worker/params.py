@@ -82,8 +82,7 @@ def _compact(params: Any, given_ids: set[int]) -> Any:
     free space above, so the cache can use it. Costs one device copy of the weights and
     their size in free memory for a moment, before the cache exists. Leaves spread over
     several processes stay where they are."""
-    leaves, treedef = jax.tree.flatten(params)
-    settle(leaves)
+    leaves, treedef = jax.tree.flatten(params)  # (settled by prepare_params)
     fresh = [jax.device_put(x, x.sharding, may_alias=False)
              if id(x) not in given_ids and x.is_fully_addressable else x for x in leaves]
     jax.block_until_ready(fresh)
