@@ -92,9 +92,13 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     else:
         x = _dot_qk(q, k)
     x = x if cfg.alibi_folded else _logits(x, cfg)
-    if cfg.alibi:  # slope * (key_pos - anchor): one multiply-add per logit
+    if cfg.alibi:  # slope * (key_pos - anchor)
         slope, anchor = alibi
-        x = x + slope[:, None] * (key_pos - anchor).astype(jnp.float32)[None, :]
+        dist = (key_pos - anchor).astype(jnp.float32)
+        if jnp.ndim(slope) == 0:  # one head per tile: a [block_kv] bias, one add per logit
+            x = x + (slope * dist)[None, :]
+        else:  # a slope per row: one multiply-add per logit
+            x = x + slope[:, None] * dist[None, :]
     if cfg.heads_per_tile > 1:  # each row sees only its own head's keys
         x = jnp.where((kk // cfg.block_kv)[None, :] == row_head[:, None], x, -jnp.inf)
     if masked:
@@ -191,9 +195,13 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
         bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg, scale_refs=scale_refs,
     )
     if cfg.alibi:
-        head = jnp.minimum((kvh + row_head) * cfg.group + g, cfg.num_heads - 1)
+        if cfg.group == 1 and cfg.heads_per_tile == 1:  # every row is head kvh: one slope
+            tile_slopes = slopes_ref[kvh]
+        else:
+            tile_slopes = slopes_ref[jnp.minimum((kvh + row_head) * cfg.group + g,
+                                                 cfg.num_heads - 1)]
         slope, anchor, row_shift = alibi_tile_terms(
-            slopes_ref[head], tok, first_pos, kv_len, causal=cfg.causal,
+            tile_slopes, tok, first_pos, kv_len, causal=cfg.causal,
             unit=cfg.scale * LOG2E if cfg.alibi_folded else 1.0)
         step = functools.partial(step, alibi=(slope, anchor))
     carry = (

@@ -22,6 +22,10 @@ from pallas_kernels.common import is_pow2, next_pow2
 
 # decode tiling: split the key range until about this many programs, at most 8 ways
 _DECODE_TARGET_PROGRAMS, _DECODE_MAX_SPLITS = 1024, 8
+# decode over an fp8 cache: one-warp programs on 32-key steps, and at least two key splits
+# once the tables hold this many keys (a one-warp program walking them alone is
+# latency-bound)
+_FP8_DECODE_BLOCK_KV, _FP8_DECODE_SPLIT_KEYS = 32, 1024
 # prefill tiling: a batch of few tiles (one short prompt: time to first token) splits its
 # key range until about this many programs, at most this many ways
 _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLITS = 256, 4
@@ -33,7 +37,7 @@ class BlockSizes:
     chosen from the shapes and the tiling (`resolve_block_sizes`)."""
 
     block_q: int = 128  # prefill tiling: rows (tokens x padded query group) per tile
-    block_kv: int = 64  # keys per inner step (raised to one page if smaller)
+    block_kv: int | None = None  # keys per inner step (raised to one page if smaller)
     kv_splits: int | None = None  # programs splitting one tile's key range
     num_warps: int | None = None  # Triton's, per program
     num_stages: int | None = None  # Triton's software-pipelining depth
@@ -62,17 +66,23 @@ def prefill_kv_splits(num_tokens: int, num_heads: int, num_kv_heads: int, block_
 
 def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
                         cache_shape: tuple[int, ...], dtype: jnp.dtype, *,
-                        max_q_len: int | None, causal: bool, kv_fp8: bool = False
-                        ) -> BlockSizes:
-    """`bs` with every None chosen and `block_kv` at least one page (B). Defaults:
+                        max_q_len: int | None, causal: bool, kv_fp8: bool = False,
+                        table_keys: int = 0, alibi: bool = False) -> BlockSizes:
+    """`bs` with every None chosen and `block_kv` at least one page (B). `table_keys`:
+    the keys the block tables can hold (static width x B). Defaults:
 
-    - kv_splits: decode, enough for ~1024 programs (at most 8); prefill,
-      `prefill_kv_splits` within ~256 programs (at most 4: one short prompt);
+    - block_kv: 32 for the decode tiling over an fp8 cache (`kv_fp8`), else 64;
+    - kv_splits: decode, enough for ~1024 programs (at most 8), and over an fp8 cache at
+      least 2 once `table_keys` >= 1024; prefill, `prefill_kv_splits` within ~256
+      programs (at most 4: one short prompt);
     - num_warps: 8 for a causal prefill tiling split over the key range (few programs,
-      each latency-bound); 2 for the decode tiling over an fp8 cache (`kv_fp8`: fastest
-      of 2/4 warps and 1-4 splits at Llama-2/3 heads, batch 64/256, context 2048 on the
-      H200, by 1.1-1.4x); else 4;
-    - num_stages: 2 for float32 (shared memory), else 3 decode, 4 prefill;
+      each latency-bound); 1 for the decode tiling over an fp8 cache (one warp converts
+      and scales a 32-key step's tiles; with these block_kv and splits the fastest of
+      1/2 warps, 16-64 keys and 1-8 splits at Llama-2/3 heads, batch 64/256, contexts
+      of 2,048 and 100-2,000 on the H200, docs/KERNEL_NOTES.md); else 4;
+    - num_stages: 2 for float32 (shared memory) and for an ALiBi prefill (`alibi`: the
+      bias's extra per-logit work hides better behind fewer stages), else 3 decode, 4
+      prefill;
     - prefetch_pages and mask_q: on for the decode tiling (a decode tile holds 1-8 real
       rows of 16), off for prefill.
 
@@ -82,7 +92,9 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
     t, h, _ = q_shape
     _, k, _, b, _ = cache_shape
     decode = max_q_len == 1
-    block_kv = max(bs.block_kv, b)
+    fp8_decode = decode and kv_fp8
+    block_kv = bs.block_kv or (_FP8_DECODE_BLOCK_KV if fp8_decode else 64)
+    block_kv = max(block_kv, b)
     if not (is_pow2(bs.block_q) and is_pow2(block_kv)):
         raise ValueError(f"block_q ({bs.block_q}) and block_kv ({block_kv}) must be powers "
                          "of 2")
@@ -94,16 +106,19 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
     if kv_splits is None and decode:  # one tile per token
         kv_splits = min(_DECODE_MAX_SPLITS,
                         next_pow2(max(1, _DECODE_TARGET_PROGRAMS // (t * k))))
+        if fp8_decode and table_keys >= _FP8_DECODE_SPLIT_KEYS:
+            kv_splits = max(kv_splits, 2)
     elif kv_splits is None:
         kv_splits = prefill_kv_splits(t, h, k, bs.block_q, _PREFILL_TARGET_PROGRAMS,
                                       _PREFILL_MAX_SPLITS)
     num_warps = bs.num_warps
     if num_warps is None:
         num_warps = (8 if not decode and causal and kv_splits > 1
-                     else 2 if decode and kv_fp8 else 4)
+                     else 1 if fp8_decode else 4)
     num_stages = bs.num_stages
     if num_stages is None:
-        num_stages = 2 if jnp.dtype(dtype) == jnp.float32 else 3 if decode else 4
+        num_stages = (2 if jnp.dtype(dtype) == jnp.float32 or (alibi and not decode)
+                      else 3 if decode else 4)
     return dataclasses.replace(
         bs, block_kv=block_kv, kv_splits=kv_splits, num_warps=num_warps,
         num_stages=num_stages,

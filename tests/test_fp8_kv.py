@@ -25,7 +25,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
-from pallas_kernels.paged_attention_tiling import BlockSizes
+from pallas_kernels.paged_attention_tiling import BlockSizes, resolve_block_sizes
 from pallas_kernels.rope_kv_write import rope_write_kv, rope_write_kv_reference
 
 E4M3, E5M2 = FP8_DTYPES
@@ -219,6 +219,31 @@ def test_kernel_on_fp8_cache_knobs(max_q_len, knobs):
     seqs = [(1, 70), (1, 5), (0, 0), (1, 16)] if max_q_len == 1 else MIXED + [(1, 64)]
     batch = make_batch(np.random.default_rng(9), seqs, heads=8, kv_heads=4)
     check_fp8_op(_paged(max_q_len, **knobs), batch)
+
+
+def test_decode_defaults_over_fp8_cache_and_long_tables():
+    """Decoding over an fp8 cache takes one-warp programs on 32-key steps, split at least
+    twice once the tables hold >= 1,024 keys; a 16-bit cache and prefill keep theirs, an
+    ALiBi prefill takes 2 stages, and explicit knobs win. With the defaults the kernel
+    equals the reference on the dequantised cache over a 1,100-key table."""
+    q, cache = (256, 32, 128), (2, 8, 4096, 16, 128)
+
+    def knobs(bs=BlockSizes(), **kw):
+        r = resolve_block_sizes(bs, q, cache, jnp.bfloat16, causal=True, **kw)
+        return r.block_kv, r.num_warps, r.kv_splits, r.num_stages
+    assert knobs(max_q_len=1, kv_fp8=True, table_keys=2048) == (32, 1, 2, 3)
+    assert knobs(max_q_len=1, kv_fp8=True, table_keys=512) == (32, 1, 1, 3)
+    assert knobs(max_q_len=1, table_keys=2048) == (64, 4, 1, 3)
+    block_kv, warps, _, _ = knobs(max_q_len=None, kv_fp8=True, table_keys=2048)
+    assert block_kv == 64 and warps != 1
+    assert knobs(max_q_len=None, alibi=True)[3] == 2
+    assert knobs(max_q_len=None)[3] == 4
+    assert knobs(BlockSizes(block_kv=64, num_warps=2, kv_splits=1), max_q_len=1,
+                 kv_fp8=True, table_keys=2048)[:3] == (64, 2, 1)
+    batch = make_batch(np.random.default_rng(11), [(1, 1100), (1, 40), (0, 0), (1, 1)],
+                       block_size=16)
+    assert batch["block_tables"].shape[1] * 16 >= 1024
+    check_fp8_op(_paged(1), batch)
 
 
 def test_kernel_on_fp8_cache_soft_cap_and_lse():
