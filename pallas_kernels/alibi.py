@@ -32,10 +32,11 @@ def check_slopes(alibi_slopes, num_heads: int) -> None:
 
 def alibi_tile_terms(slopes, tok, first_pos, kv_len, *, causal: bool, unit: float):
     """The ALiBi terms of one kernel tile (`paged_attention_kernel`), whose rows have
-    the slopes `slopes` ([R], or a scalar when every row is one head's) and sit `tok` [R] int32 after the tile's first position
-    `first_pos` (`causal=False`: every row at kv_len). Returns the per-row slope in the
-    step's logit units (log2 units over `unit`), float32 [R]; the tile's anchor, int32
-    scalar; and per row `slope * (q_pos - anchor)` in log2 units, float32 [R]. A scalar
+    the slopes `slopes` ([R], or a scalar when every row is one head's) and sit `tok`
+    [R] int32 after the tile's first position `first_pos` (`causal=False`: every row at
+    kv_len). Returns the per-row slope in the step's logit units (log2 units over
+    `unit`), float32 [R] (or scalar); the tile's anchor, int32 scalar; and per row
+    `slope * (q_pos - anchor)` in log2 units, float32 [R]. A scalar
     slope stays a scalar: the step then adds one [block_kv] bias row to every logit row
     (one add per logit) instead of a [R] x [block_kv] outer product (a multiply-add).
 

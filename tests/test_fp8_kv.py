@@ -228,8 +228,8 @@ def test_decode_defaults_over_fp8_cache_and_long_tables():
     equals the reference on the dequantised cache over a 1,100-key table."""
     q, cache = (256, 32, 128), (2, 8, 4096, 16, 128)
 
-    def knobs(bs=BlockSizes(), **kw):
-        r = resolve_block_sizes(bs, q, cache, jnp.bfloat16, causal=True, **kw)
+    def knobs(bs=None, **kw):
+        r = resolve_block_sizes(bs or BlockSizes(), q, cache, jnp.bfloat16, causal=True, **kw)
         return r.block_kv, r.num_warps, r.kv_splits, r.num_stages
     assert knobs(max_q_len=1, kv_fp8=True, table_keys=2048) == (32, 1, 2, 3)
     assert knobs(max_q_len=1, kv_fp8=True, table_keys=512) == (32, 1, 1, 3)
