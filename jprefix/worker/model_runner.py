@@ -110,9 +110,14 @@ class ModelRunner:
             if multi_process:  # one global cache: the size every process has room for
                 num_blocks = multihost.smallest(num_blocks)
         self.num_blocks = num_blocks
+        # The cache and the pending tokens start committed to the weights' device, as
+        # every step's outputs are: a jitted call keys its compile on committedness too,
+        # so an uncommitted first cache would compile its step's shape twice
+        home = placed if placed is not None or mesh is not None else SingleDeviceSharding(
+            next(iter(jax.tree.leaves(self.params)[0].devices())))
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
             cfg, num_blocks, block_size, self.kv_dtype,
-            placed if mesh is None else kv_sharding(mesh))
+            home if mesh is None else kv_sharding(mesh))
         self.packer = StepPacker(block_size, self.buckets)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
@@ -128,8 +133,8 @@ class ModelRunner:
         self._last_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else  # all
                              jax.jit(lambda: jnp.zeros(self.max_rows, jnp.int32),  # devices
                                      out_shardings=NamedSharding(mesh, REPLICATED))())
-        if placed is not None:
-            self._last_tokens = jax.device_put(self._last_tokens, placed)
+        if home is not None:
+            self._last_tokens = jax.device_put(self._last_tokens, home)
         self.channel = multihost.StepChannel(mesh) if multi_process else None
         if fixed_inputs is None:
             fixed_inputs = (jax.default_backend() == "gpu" and xla_flags.command_buffers_on()
