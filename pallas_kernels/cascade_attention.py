@@ -44,12 +44,11 @@ from pallas_kernels.paged_attention_tiling import BlockSizes, prefill_kv_splits
 # The shared-prefix part: 64-row tiles, its key range split (kv_splits None:
 # `resolve_prefix_block_sizes`) within ~384 programs, at most 8 ways. The per-sequence
 # suffix is short (a prompt's own tokens and the output): 32-key steps; decoding over an
-# fp8 cache with suffix tables of at most 256 keys, one-page (16-key) steps by one-warp
-# programs (`default_suffix_block_sizes`).
+# fp8 cache, the decode tiling's fp8 defaults, which follow the suffix tables' width
+# (`default_suffix_block_sizes`).
 PREFIX_BLOCK_SIZES = BlockSizes(block_q=64)
 SUFFIX_BLOCK_SIZES = BlockSizes(block_kv=32)
-FP8_DECODE_SUFFIX_BLOCK_SIZES = BlockSizes(block_kv=16, num_warps=1)
-_FP8_SHORT_SUFFIX_KEYS = 256
+FP8_DECODE_SUFFIX_BLOCK_SIZES = BlockSizes()
 _PREFIX_TARGET_PROGRAMS, _PREFIX_MAX_SPLITS = 384, 8
 
 
@@ -149,8 +148,7 @@ def cascade_attention(
         prefix_bs = resolve_prefix_block_sizes(q, k_cache, prefix_block_sizes)
         o1, lse1 = paged_attention(**groups, causal=False, interpret=interpret,
                                    block_sizes=prefix_bs, **common)
-        suffix_bs = suffix_block_sizes or default_suffix_block_sizes(
-            k_cache, max_q_len, suffix_block_tables.shape[1])
+        suffix_bs = suffix_block_sizes or default_suffix_block_sizes(k_cache, max_q_len)
         o2, lse2 = paged_attention(**suffix, interpret=interpret, max_q_len=max_q_len,
                                    block_sizes=suffix_bs, **common)
     if alibi_slopes is not None:  # the prefix part's rows at their true positions
@@ -159,17 +157,15 @@ def cascade_attention(
     return merge_attention(o1, lse1, o2, lse2)[0]
 
 
-def default_suffix_block_sizes(k_cache: jax.Array, max_q_len: int | None,
-                               suffix_blocks: int) -> BlockSizes:
-    """The suffix part's knobs, from the cache [L, K, N, B, D], the tiling hint and the
-    suffix tables' width (blocks, static: the engine buckets it over the longest
-    suffix). FP8_DECODE_SUFFIX_BLOCK_SIZES when decoding (max_q_len 1) over an fp8 cache
-    with tables of at most 256 keys: such short suffixes are bound by the latency of each
-    program, not by bytes, and one-warp programs on one-page steps fit more programs per
-    SM (docs/KERNEL_NOTES.md); longer ones keep the 2-warp, 32-key steps measured on
-    long contexts. Else SUFFIX_BLOCK_SIZES."""
-    short = suffix_blocks * k_cache.shape[3] <= _FP8_SHORT_SUFFIX_KEYS
-    if max_q_len == 1 and is_fp8(k_cache.dtype) and short:
+def default_suffix_block_sizes(k_cache: jax.Array, max_q_len: int | None) -> BlockSizes:
+    """The suffix part's knobs, from the cache [L, K, N, B, D] and the tiling hint.
+    FP8_DECODE_SUFFIX_BLOCK_SIZES when decoding (max_q_len 1) over an fp8 cache: every
+    knob left to `resolve_block_sizes`, whose fp8 decode defaults follow the suffix
+    tables' width (static: the engine buckets it over the longest suffix): one-warp
+    programs, one-page (16-key) steps for tables of <= 256 keys, which are bound by each
+    program's latency, not by bytes, and 32-key steps split over the key range for longer
+    ones (docs/KERNEL_NOTES.md). Else SUFFIX_BLOCK_SIZES."""
+    if max_q_len == 1 and is_fp8(k_cache.dtype):
         return FP8_DECODE_SUFFIX_BLOCK_SIZES
     return SUFFIX_BLOCK_SIZES
 

@@ -22,10 +22,10 @@ from pallas_kernels.common import is_pow2, next_pow2
 
 # decode tiling: split the key range until about this many programs, at most 8 ways
 _DECODE_TARGET_PROGRAMS, _DECODE_MAX_SPLITS = 1024, 8
-# decode over an fp8 cache: one-warp programs on 32-key steps, and at least two key splits
-# once the tables hold this many keys (a one-warp program walking them alone is
-# latency-bound)
-_FP8_DECODE_BLOCK_KV, _FP8_DECODE_SPLIT_KEYS = 32, 1024
+# decode over an fp8 cache: one-warp programs on 32-key steps (16 while the tables hold at
+# most _FP8_SHORT_KEYS), and at least two key splits once they hold _FP8_SPLIT_KEYS (a
+# one-warp program walking them alone is latency-bound)
+_FP8_SHORT_KEYS, _FP8_SPLIT_KEYS = 256, 1024
 # prefill tiling: a batch of few tiles (one short prompt: time to first token) splits its
 # key range until about this many programs, at most this many ways
 _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLITS = 256, 4
@@ -71,7 +71,9 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
     """`bs` with every None chosen and `block_kv` at least one page (B). `table_keys`:
     the keys the block tables can hold (static width x B). Defaults:
 
-    - block_kv: 32 for the decode tiling over an fp8 cache (`kv_fp8`), else 64;
+    - block_kv: for the decode tiling over an fp8 cache (`kv_fp8`) 32, or 16 while
+      `table_keys` <= 256 (short tables: the steps' dependent loads bound the program,
+      and smaller steps fit more programs); else 64;
     - kv_splits: decode, enough for ~1024 programs (at most 8), and over an fp8 cache at
       least 2 once `table_keys` >= 1024; prefill, `prefill_kv_splits` within ~256
       programs (at most 4: one short prompt);
@@ -93,7 +95,8 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
     _, k, _, b, _ = cache_shape
     decode = max_q_len == 1
     fp8_decode = decode and kv_fp8
-    block_kv = bs.block_kv or (_FP8_DECODE_BLOCK_KV if fp8_decode else 64)
+    block_kv = bs.block_kv or (64 if not fp8_decode else 16 if table_keys <= _FP8_SHORT_KEYS
+                               else 32)
     block_kv = max(block_kv, b)
     if not (is_pow2(bs.block_q) and is_pow2(block_kv)):
         raise ValueError(f"block_q ({bs.block_q}) and block_kv ({block_kv}) must be powers "
@@ -106,7 +109,7 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
     if kv_splits is None and decode:  # one tile per token
         kv_splits = min(_DECODE_MAX_SPLITS,
                         next_pow2(max(1, _DECODE_TARGET_PROGRAMS // (t * k))))
-        if fp8_decode and table_keys >= _FP8_DECODE_SPLIT_KEYS:
+        if fp8_decode and table_keys >= _FP8_SPLIT_KEYS:
             kv_splits = max(kv_splits, 2)
     elif kv_splits is None:
         kv_splits = prefill_kv_splits(t, h, k, bs.block_q, _PREFILL_TARGET_PROGRAMS,

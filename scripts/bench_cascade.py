@@ -70,7 +70,7 @@ def parts(casc, scale, interpret=False, scales=None):
                              interpret=interpret, **(scales or {}))
     # both parts as cascade_attention runs them by default (it also prepends an empty
     # group: no work)
-    suffix_bs = default_suffix_block_sizes(kc, 1, stab.shape[1])
+    suffix_bs = default_suffix_block_sizes(kc, 1)
     suffix = measure(functools.partial(attn, max_q_len=1, block_sizes=suffix_bs),
                      q, kc, vc, layer, stab, slen, cu)
     prefix = measure(functools.partial(attn, causal=False,

@@ -255,21 +255,18 @@ def _kernel_warps(fn, *args) -> list[int]:
 
 
 def test_fp8_decode_suffix_takes_one_warp_one_page_steps():
-    """Decoding over an fp8 cache with suffix tables of <= 256 keys, the suffix part runs
-    FP8_DECODE_SUFFIX_BLOCK_SIZES (short suffixes are latency-bound); longer tables, a
-    16-bit cache, or a prefill-tiled suffix keep SUFFIX_BLOCK_SIZES. The fp8 cascade
-    still equals the reference on the same cache."""
+    """Decoding over an fp8 cache, the suffix part leaves its knobs to the decode
+    tiling's fp8 defaults (one warp; one-page steps on these <= 256-key tables: short
+    suffixes are latency-bound); a 16-bit cache or a prefill-tiled suffix keep
+    SUFFIX_BLOCK_SIZES. The fp8 cascade still equals the reference on the same cache."""
     batch, cascade = make_cascade_batch(np.random.default_rng(7), GROUPS[:2], LONERS[:1],
                                         block_size=16, dtype=jnp.bfloat16)
     k8, ks = quantize_rows(cascade["k_cache"], jnp.float8_e4m3fn)
     v8, vs = quantize_rows(cascade["v_cache"], jnp.float8_e4m3fn)
-    width = cascade["suffix_block_tables"].shape[1]
-    assert width * 16 <= 256
-    assert default_suffix_block_sizes(k8, 1, width) == FP8_DECODE_SUFFIX_BLOCK_SIZES
-    assert default_suffix_block_sizes(k8, 1, 16) == FP8_DECODE_SUFFIX_BLOCK_SIZES
-    assert default_suffix_block_sizes(k8, 1, 17) == SUFFIX_BLOCK_SIZES  # long suffixes
-    assert default_suffix_block_sizes(k8, None, width) == SUFFIX_BLOCK_SIZES
-    assert default_suffix_block_sizes(cascade["k_cache"], 1, width) == SUFFIX_BLOCK_SIZES
+    assert cascade["suffix_block_tables"].shape[1] * 16 <= 256
+    assert default_suffix_block_sizes(k8, 1) == FP8_DECODE_SUFFIX_BLOCK_SIZES
+    assert default_suffix_block_sizes(k8, None) == SUFFIX_BLOCK_SIZES
+    assert default_suffix_block_sizes(cascade["k_cache"], 1) == SUFFIX_BLOCK_SIZES
     fp8 = dict(cascade, k_cache=k8, v_cache=v8)
 
     def run(c, max_q_len, **kw):

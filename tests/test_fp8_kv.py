@@ -222,10 +222,11 @@ def test_kernel_on_fp8_cache_knobs(max_q_len, knobs):
 
 
 def test_decode_defaults_over_fp8_cache_and_long_tables():
-    """Decoding over an fp8 cache takes one-warp programs on 32-key steps, split at least
-    twice once the tables hold >= 1,024 keys; a 16-bit cache and prefill keep theirs, an
-    ALiBi prefill takes 2 stages, and explicit knobs win. With the defaults the kernel
-    equals the reference on the dequantised cache over a 1,100-key table."""
+    """Decoding over an fp8 cache takes one-warp programs on 32-key steps (16 for tables
+    of <= 256 keys), split at least twice once the tables hold >= 1,024 keys; a 16-bit
+    cache and prefill keep theirs, an ALiBi prefill takes 2 stages, and explicit knobs
+    win. With the defaults the kernel equals the reference on the dequantised cache over
+    a 1,100-key table."""
     q, cache = (256, 32, 128), (2, 8, 4096, 16, 128)
 
     def knobs(bs=None, **kw):
@@ -233,6 +234,7 @@ def test_decode_defaults_over_fp8_cache_and_long_tables():
         return r.block_kv, r.num_warps, r.kv_splits, r.num_stages
     assert knobs(max_q_len=1, kv_fp8=True, table_keys=2048) == (32, 1, 2, 3)
     assert knobs(max_q_len=1, kv_fp8=True, table_keys=512) == (32, 1, 1, 3)
+    assert knobs(max_q_len=1, kv_fp8=True, table_keys=256) == (16, 1, 1, 3)
     assert knobs(max_q_len=1, table_keys=2048) == (64, 4, 1, 3)
     block_kv, warps, _, _ = knobs(max_q_len=None, kv_fp8=True, table_keys=2048)
     assert block_kv == 64 and warps != 1
