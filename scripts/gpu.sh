@@ -32,7 +32,8 @@
 #             per projection at 16 / 128 / 256 rows vs XLA's fp8 and bf16 dots   ~5 min
 #   fp8_suffix   sweep_attention.py --kv-cache-dtype fp8 on the cascade suffix shapes,
 #             bench_cascade.py bf16 vs fp8 at 256 x (592 + 232)                ~4 min
-#   fp8_engine   bench_engine.py --skip-off: bf16, fp8 KV, fp8 weights, both  ~10 min
+#   fp8_engine   bench_engine.py --skip-off: bf16, fp8 KV, fp8 weights; both with the
+#             cache off too                                                    ~11 min
 #   fp8_sharegpt bench_throughput.py on ShareGPT, Llama-3-8B, bf16 vs both fp8
 #             (needs carry ["bench_data"])                                     ~6 min
 #   b c d e   docs/RESULTS.md rows (b) policies, (c) trie vs flat, (d) chat latency,
@@ -165,8 +166,9 @@ job_fp8_engine() {  # same process family, one mode per process; KV capacity in 
   run fp8_engine_bf16 230 "${a[@]}" --output-json "$OUT/fp8_engine_bf16.json"
   run fp8_engine_kv 230 "${a[@]}" --kv-cache-dtype fp8 --output-json "$OUT/fp8_engine_kv.json"
   run fp8_engine_w 230 "${a[@]}" --quantization fp8 --output-json "$OUT/fp8_engine_w.json"
-  run fp8_engine_both 230 "${a[@]}" --kv-cache-dtype fp8 --quantization fp8 \
-    --output-json "$OUT/fp8_engine_both.json"
+  # both fp8 modes with the cache off too (issue 17's on/off ratio)
+  run fp8_engine_both 330 python3 scripts/bench_engine.py "${M[@]}" --output-len 128 \
+    --ttft-reps 9 --kv-cache-dtype fp8 --quantization fp8 --output-json "$OUT/fp8_engine_both.json"
 }
 job_fp8_sharegpt() {
   local e=(python3 scripts/bench_throughput.py --model llama-3-8b --load-format dummy
