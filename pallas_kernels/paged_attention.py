@@ -115,9 +115,9 @@ def paged_attention(
                   v_scale)
     check_slopes(alibi_slopes, q.shape[1])
     bs = resolve_block_sizes(block_sizes or BlockSizes(), q.shape, k_cache.shape, q.dtype,
-                             max_q_len=max_q_len, causal=causal, kv_fp8=k_scale is not None,
+                             max_q_len=max_q_len, causal=causal,
                              table_keys=block_tables.shape[1] * k_cache.shape[3],
-                             alibi=alibi_slopes is not None)
+                             kv_fp8=k_scale is not None, alibi=alibi_slopes is not None)
     cfg = kernel_config(bs, q.shape, k_cache.shape, decode=max_q_len == 1, scale=scale,
                         soft_cap=soft_cap, interpret=interpret, causal=causal,
                         return_lse=return_lse, alibi=alibi_slopes is not None,

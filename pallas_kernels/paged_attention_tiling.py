@@ -66,8 +66,8 @@ def prefill_kv_splits(num_tokens: int, num_heads: int, num_kv_heads: int, block_
 
 def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
                         cache_shape: tuple[int, ...], dtype: jnp.dtype, *,
-                        max_q_len: int | None, causal: bool, kv_fp8: bool = False,
-                        table_keys: int = 0, alibi: bool = False) -> BlockSizes:
+                        max_q_len: int | None, causal: bool, table_keys: int,
+                        kv_fp8: bool = False, alibi: bool = False) -> BlockSizes:
     """`bs` with every None chosen and `block_kv` at least one page (B). `table_keys`:
     the keys the block tables can hold (static width x B). Defaults:
 
@@ -82,9 +82,9 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
       and scales a 32-key step's tiles; with these block_kv and splits the fastest of
       1/2 warps, 16-64 keys and 1-8 splits at Llama-2/3 heads, batch 64/256, contexts
       of 2,048 and 100-2,000 on the H200, docs/KERNEL_NOTES.md); else 4;
-    - num_stages: 2 for float32 (shared memory) and for an ALiBi prefill (`alibi`: the
-      bias's extra per-logit work hides better behind fewer stages), else 3 decode, 4
-      prefill;
+    - num_stages: 2 for float32 (shared memory) and for an ALiBi prefill (`alibi`: its
+      fastest of 2-4 stages in every prefill case measured on the H200), else 3 decode,
+      4 prefill;
     - prefetch_pages and mask_q: on for the decode tiling (a decode tile holds 1-8 real
       rows of 16), off for prefill.
 
@@ -95,8 +95,9 @@ def resolve_block_sizes(bs: BlockSizes, q_shape: tuple[int, ...],
     _, k, _, b, _ = cache_shape
     decode = max_q_len == 1
     fp8_decode = decode and kv_fp8
-    block_kv = bs.block_kv or (64 if not fp8_decode else 16 if table_keys <= _FP8_SHORT_KEYS
-                               else 32)
+    block_kv = bs.block_kv
+    if block_kv is None:
+        block_kv = 64 if not fp8_decode else 16 if table_keys <= _FP8_SHORT_KEYS else 32
     block_kv = max(block_kv, b)
     if not (is_pow2(bs.block_q) and is_pow2(block_kv)):
         raise ValueError(f"block_q ({bs.block_q}) and block_kv ({block_kv}) must be powers "

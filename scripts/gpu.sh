@@ -162,13 +162,14 @@ job_fp8_suffix() {
   done
 }
 job_fp8_engine() {  # same process family, one mode per process; KV capacity in the JSON
-  local a=(python3 scripts/bench_engine.py "${M[@]}" --output-len 128 --skip-off --ttft-reps 9)
+  local both=(python3 scripts/bench_engine.py "${M[@]}" --output-len 128 --ttft-reps 9)
+  local a=("${both[@]}" --skip-off)
   run fp8_engine_bf16 230 "${a[@]}" --output-json "$OUT/fp8_engine_bf16.json"
   run fp8_engine_kv 230 "${a[@]}" --kv-cache-dtype fp8 --output-json "$OUT/fp8_engine_kv.json"
   run fp8_engine_w 230 "${a[@]}" --quantization fp8 --output-json "$OUT/fp8_engine_w.json"
   # both fp8 modes with the cache off too (issue 17's on/off ratio)
-  run fp8_engine_both 330 python3 scripts/bench_engine.py "${M[@]}" --output-len 128 \
-    --ttft-reps 9 --kv-cache-dtype fp8 --quantization fp8 --output-json "$OUT/fp8_engine_both.json"
+  run fp8_engine_both 330 "${both[@]}" --kv-cache-dtype fp8 --quantization fp8 \
+    --output-json "$OUT/fp8_engine_both.json"
 }
 job_fp8_sharegpt() {
   local e=(python3 scripts/bench_throughput.py --model llama-3-8b --load-format dummy

@@ -229,8 +229,9 @@ def test_decode_defaults_over_fp8_cache_and_long_tables():
     a 1,100-key table."""
     q, cache = (256, 32, 128), (2, 8, 4096, 16, 128)
 
-    def knobs(bs=None, **kw):
-        r = resolve_block_sizes(bs or BlockSizes(), q, cache, jnp.bfloat16, causal=True, **kw)
+    def knobs(bs=None, table_keys=2048, **kw):
+        r = resolve_block_sizes(bs or BlockSizes(), q, cache, jnp.bfloat16, causal=True,
+                                table_keys=table_keys, **kw)
         return r.block_kv, r.num_warps, r.kv_splits, r.num_stages
     assert knobs(max_q_len=1, kv_fp8=True, table_keys=2048) == (32, 1, 2, 3)
     assert knobs(max_q_len=1, kv_fp8=True, table_keys=512) == (32, 1, 1, 3)

@@ -113,8 +113,9 @@ class ModelRunner:
         # The cache and the pending tokens start committed to the weights' device, as
         # every step's outputs are: a jitted call keys its compile on committedness too,
         # so an uncommitted first cache would compile its step's shape twice
-        home = placed if placed is not None or mesh is not None else SingleDeviceSharding(
-            next(iter(jax.tree.leaves(self.params)[0].devices())))
+        home = placed
+        if home is None and mesh is None:
+            home = SingleDeviceSharding(next(iter(jax.tree.leaves(self.params)[0].devices())))
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
             cfg, num_blocks, block_size, self.kv_dtype,
             home if mesh is None else kv_sharding(mesh))
