@@ -52,12 +52,16 @@ def _checkpoint_dtype(model: Any) -> str | None:
 
 @dataclasses.dataclass
 class EngineArgs:
-    """Engine knobs, named as vLLM names them. `dtype` and `load_format` apply when the
-    engine loads its model by name (`models.loader.load`); `dtype="auto"` is resolved by
-    `resolve_dtype`. `max_model_len` (None: the model's own) must fit in the KV cache."""
+    """Engine knobs, named as vLLM names them. `dtype`, `load_format` and `tokenizer`
+    apply when the engine loads its model by name (`models.loader.load`); `dtype="auto"`
+    is resolved by `resolve_dtype`. `max_model_len` (None: the model's own) must fit in
+    the KV cache."""
 
     dtype: str = "auto"
     load_format: str = "auto"
+    # a tokenizer directory or hub id instead of the checkpoint's (Baichuan2's own needs
+    # remote code: models.loader.load); None: the checkpoint's, if it has one
+    tokenizer: str | None = None
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8: per-row scales (pallas_kernels/fp8)
     quantization: str | None = None  # QUANTIZATIONS; "fp8": the linear layers' weights
     block_size: int = 16

@@ -32,6 +32,9 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
     multi = multihost.initialize(args.coordinator_address, args.num_processes,
                                  args.process_id, args.distributed_timeout_s)
     owned = not isinstance(model, LoadedModel)
+    if not owned and args.tokenizer is not None:
+        raise ValueError(f"tokenizer {args.tokenizer!r} applies to a model the engine "
+                         "loads by name; load this one with jprefix.load(..., tokenizer=)")
     cfg = model_config(model, args.load_format) if owned else model.config
     if cfg.checkpoint_quantization and args.tensor_parallel_size > 1:  # (before loading)
         raise ValueError(f"an {cfg.checkpoint_quantization} checkpoint runs on one device: "
@@ -47,7 +50,8 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
     device = devices[0] if devices is not None and mesh is None else None
     if owned:
         with placed_on(device):
-            model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh)
+            model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh,
+                         tokenizer=args.tokenizer)
     runner = ModelRunner(
         model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
         backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from jprefix.entrypoints.cli_args import DTYPES, add_engine_args
+from jprefix.entrypoints.cli_args import DTYPES, HELP, add_engine_args
 
 DEFAULT_SYSTEM = (
     "You are a helpful, concise assistant for a company's customer-service team. Answer in "
@@ -15,7 +15,6 @@ DEFAULT_SYSTEM = (
     "say so and suggest contacting a human agent. Our store sells books, music and games, "
     "ships worldwide within five business days, and accepts returns within thirty days."
 )
-DTYPE_HELP = "auto: float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator"
 # (openai_server imports fastapi, which `jprefix generate` does not need)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_PROMPTS = [
@@ -47,7 +46,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts that share a system prompt")
     gen.add_argument("--model", default="smollm2-135m", help="path, GGUF, hub id or preset")
-    gen.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    gen.add_argument("--dtype", default="auto", choices=DTYPES, help=HELP["dtype"])
+    gen.add_argument("--load-format", default="auto", help=HELP["load_format"])
+    gen.add_argument("--tokenizer", default=None, help=HELP["tokenizer"])
     gen.add_argument("--system", default=None, help="system prompt text")
     gen.add_argument("--system-file", type=Path, default=None)
     gen.add_argument("--prompt", action="append", default=[], help="a user prompt (repeatable)")
@@ -119,9 +120,13 @@ def run_generate(args) -> int:
 
     system, users = _read_inputs(args)
     llm = LLM(
-        args.model, dtype=args.dtype, block_size=args.block_size,
-        enable_prefix_caching=args.prefix_mode != "off", **fp8_kwargs(args),
+        args.model, dtype=args.dtype, load_format=args.load_format, tokenizer=args.tokenizer,
+        block_size=args.block_size, enable_prefix_caching=args.prefix_mode != "off",
+        **fp8_kwargs(args),
     )
+    if llm.tokenizer is None:  # (the prompts here are text)
+        raise SystemExit(f"jprefix generate: model {args.model!r} has no tokenizer (its "
+                         "prompts are text): pass --tokenizer")
     prompts = [_render(llm.tokenizer, system, u) for u in users]
     system_ids = _render(llm.tokenizer, system, None)
     prefix_pos = None

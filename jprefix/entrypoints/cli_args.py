@@ -14,6 +14,8 @@ DTYPES = ["auto", "float32", "bfloat16", "float16"]
 HELP = {
     "dtype": "auto: float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator",
     "load_format": "auto, safetensors, gguf or dummy (random weights)",
+    "tokenizer": "a tokenizer directory or hub id instead of the checkpoint's (Baichuan2's "
+                 "needs one: its own is remote code)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: sized from --gpu-memory-utilization)",
     "gpu_memory_utilization": "fraction of free device memory the KV cache may take",
