@@ -156,7 +156,8 @@ def test_checkpoint_loads_and_logits_equal_torch_baichuan2(checkpoints, models, 
     with torch.no_grad():
         want = torch_baichuan2(sd, json.loads((directory / "config.json").read_text()),
                                torch.tensor(ids)).numpy()
-    got = np.asarray(dense_forward(loaded.params, loaded.config, jnp.asarray(ids)))
+    with jax.default_matmul_precision("highest"):  # (XLA on a GPU: TF32 otherwise)
+        got = np.asarray(dense_forward(loaded.params, loaded.config, jnp.asarray(ids)))
     diff = float(np.abs(got - want).max())
     print(f"{kind}: max abs logit diff {diff:.2e} (max |logit| {np.abs(want).max():.1f})")
     assert diff < 1e-4

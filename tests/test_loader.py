@@ -65,7 +65,8 @@ def test_logits_match_transformers_float32(name, save_kw, tmp_path):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24))
     with torch.no_grad():
         want = hf(torch.tensor(ids)).logits.numpy()
-    got = np.asarray(dense_forward(loaded.params, loaded.config, jnp.asarray(ids)))
+    with jax.default_matmul_precision("highest"):  # (XLA on a GPU: TF32 otherwise)
+        got = np.asarray(dense_forward(loaded.params, loaded.config, jnp.asarray(ids)))
     diff = float(np.abs(got - want).max())
     print(f"{name}{' sharded' if save_kw else ''}: max abs logit diff {diff:.2e} "
           f"(max |logit| {np.abs(want).max():.1f})")
@@ -150,8 +151,9 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_pair):
     ids = _chat_ids(ours.tokenizer, "What is the capital of France?")
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits.numpy()
-    got = np.asarray(jax.jit(dense_forward, static_argnums=1)(
-        ours.params, ours.config, jnp.asarray([ids])))
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(dense_forward, static_argnums=1)(
+            ours.params, ours.config, jnp.asarray([ids])))
     diff = float(np.abs(got - want).max())
     print(f"smollm2-135m GGUF: max abs logit diff {diff:.2e} (max |logit| "
           f"{np.abs(want).max():.1f}, {len(ids)} tokens)")
