@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
                     llm, prompts[0], args.prefix_len, False, args.ttft_reps)
                 results["tpot_ms_on"] = run_tpot(llm, prompts[0], args.prefix_len, 64,
                                                  max(1, args.ttft_reps // 3))
-        del llm
+        del llm, first  # (each holds the engine, its weights and its KV cache)
         gc.collect()  # free its KV cache before the next engine sizes its own
         if args.output_json:  # after every engine: a timeout keeps what was measured
             with open(args.output_json, "w") as f:

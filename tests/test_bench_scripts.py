@@ -4,6 +4,7 @@ plots on the tiny model."""
 
 import importlib.util
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -143,8 +144,20 @@ def test_bench_latency_smoke_and_sweep(tmp_path):
     assert result["max_rate_within_bound"] is None and len(result["trials"]) == 2
 
 
-def test_bench_engine_smoke(tmp_path):
+def test_bench_engine_smoke(tmp_path, monkeypatch):
     from scripts import bench_engine as be
+    made = []  # a weak reference to each engine's runner (weights and KV cache)
+
+    def one_engine_at_a_time(*args, **kwargs):
+        # each engine's cache fills the device memory it finds free: the one before must
+        # be gone (on a GPU a leftover one left no room for the next cache)
+        assert all(ref() is None for ref in made)
+        llm = real_llm(*args, **kwargs)
+        made.append(weakref.ref(llm.engine.runner))
+        return llm
+
+    real_llm = be.LLM
+    monkeypatch.setattr(be, "LLM", one_engine_at_a_time)
     out = tmp_path / "engine.json"
     r = be.main(["--model", "tiny-llama", "--dtype", "float32", "--num-prompts", "8",
                  "--prefix-len", "32", "--unique-len", "8", "--output-len", "3",
@@ -161,6 +174,7 @@ def test_bench_engine_smoke(tmp_path):
     assert all(period > 0 and host >= 0 for *_, period, host in on["other_steps"])
     assert on["peak_used_blocks"] < off["peak_used_blocks"]
     assert r["ttft_ms_on_cached"] > 0 and r["ttft_ms_off"] > 0
+    assert len(made) == 3
     if importlib.util.find_spec("matplotlib") is not None:  # its chart
         from scripts import plots
 
