@@ -1,4 +1,7 @@
-"""The jitted step donates the KV cache and updates it in place (no per-step copy)."""
+"""The jitted step donates the KV cache and updates it in place (no per-step copy); the
+runner's compile options; a repeated workload compiles nothing new."""
+
+import pytest
 
 import jprefix
 from jprefix import LLM
@@ -160,13 +163,15 @@ def test_fp8_weight_steps_turn_xla_triton_gemms_off_unless_told(monkeypatch):
     assert fp8_steps is compiled_steps(True) and set(fp8_steps).isdisjoint({step, step_logits})
 
 
-def test_a_repeated_workload_compiles_no_new_step():
+@pytest.mark.parametrize("fixed_inputs", [False, True])
+def test_a_repeated_workload_compiles_no_new_step(caplog, fixed_inputs):
     """The KV cache and the pending-token buffer start committed to the runner's device,
     as every step's outputs are once the weights are (the GPU's are, after their layout
     is compacted), so the first step's compile serves its shape later too. (Created
     uncommitted, they gave the first step a compile of its own and the same shape a
     second one once the cache came out of a step: seconds of stall at 7B.)"""
     import dataclasses
+    import logging
 
     import jax
     import numpy as np
@@ -175,13 +180,18 @@ def test_a_repeated_workload_compiles_no_new_step():
 
     tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
     tiny = dataclasses.replace(tiny, params=jax.device_put(tiny.params, jax.devices()[0]))
-    llm = LLM(tiny, block_size=8, num_kv_blocks=64)
+    llm = LLM(tiny, block_size=8, num_kv_blocks=64, fixed_inputs=fixed_inputs)
     prompts = [np.random.default_rng(i).integers(3, 200, 21).tolist() for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    runner = llm.engine.runner
     first = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    compiled = (runner._step._cache_size(), runner._step_logits._cache_size())
     llm.reset_prefix_cache()
-    again = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    # (the global flag, not the thread-local context: steps compile on the launch thread)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            again = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        jax.config.update("jax_log_compiles", False)
     assert again == first
-    assert (runner._step._cache_size(), runner._step_logits._cache_size()) == compiled
+    compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [m for m in compiles if m.startswith("Compiling jit(step")], compiles

@@ -143,7 +143,7 @@ class ModelRunner:
         if fixed_inputs and multi_process:
             raise ValueError("fixed_inputs=True: a multi-process run passes each step's "
                              "inputs as fresh global arrays (fixed_inputs None or False)")
-        self.fixed_inputs = (FixedInputs(placed if mesh is None
+        self.fixed_inputs = (FixedInputs(home if mesh is None
                                          else NamedSharding(mesh, REPLICATED))
                              if fixed_inputs else None)
 
