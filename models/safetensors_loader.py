@@ -144,6 +144,11 @@ def _shard_paths(directory: Path) -> list[Path]:
         return paths
     paths = sorted(directory.glob("*.safetensors"))
     if not paths:
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        if pickled:  # (what the Baichuan2 repositories ship)
+            raise FileNotFoundError(
+                f"{directory}: no *.safetensors files; PyTorch checkpoints ({', '.join(pickled)})"
+                " are not read: convert them to safetensors first")
         raise FileNotFoundError(f"{directory}: no *.safetensors files")
     return paths
 

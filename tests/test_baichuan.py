@@ -308,3 +308,14 @@ def test_alibi_pallas_kernels_match_xla_and_dense(models):
         assert [o.token_ids for o in outs] == want, backend
         kinds = llm.engine.runner.shapes_seen
         assert any(s[4] for s in kinds) and sum(m for *_, m in kinds) >= 1  # cascade, mixed
+
+
+def test_a_pytorch_bin_checkpoint_is_refused_naming_its_files(tmp_path):
+    """The Baichuan2 repositories ship pytorch_model.bin, which is not read: the error
+    names the files and says what to do."""
+    cfg = PRESETS["tiny-baichuan2-alibi"]
+    sd = _write_checkpoint(cfg, tmp_path, seed=6)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin.*convert them to safetensors"):
+        jprefix.load(tmp_path, dtype="float32")
