@@ -144,7 +144,7 @@ def _shard_paths(directory: Path) -> list[Path]:
         return paths
     paths = sorted(directory.glob("*.safetensors"))
     if not paths:
-        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        pickled = sorted(p.name for p in directory.glob("pytorch_model*.bin"))
         if pickled:  # (what the Baichuan2 repositories ship)
             raise FileNotFoundError(
                 f"{directory}: no *.safetensors files; PyTorch checkpoints ({', '.join(pickled)})"

@@ -186,12 +186,13 @@ def test_a_repeated_workload_compiles_no_new_step(caplog, fixed_inputs):
     first = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     llm.reset_prefix_cache()
     # (the global flag, not the thread-local context: steps compile on the launch thread)
+    was = jax.config.jax_log_compiles
     jax.config.update("jax_log_compiles", True)
     try:
         with caplog.at_level(logging.WARNING):
             again = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     finally:
-        jax.config.update("jax_log_compiles", False)
+        jax.config.update("jax_log_compiles", was)
     assert again == first
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [m for m in compiles if m.startswith("Compiling jit(step")], compiles
