@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from models.layer_types import SLIDING, check_window, hf_window
+
 ARCHS = ("llama", "mistral", "qwen2", "baichuan")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -52,6 +54,12 @@ class ModelConfig:
     position_embedding: str = "rope"
     norm_head: bool = False
     checkpoint_quantization: str | None = None
+    # sliding-window attention (`models.window`): a query at position p sees the keys at
+    # positions p - sliding_window < k <= p; `layer_types` (one per layer,
+    # "sliding_attention" or "full_attention", HF's names) says which layers; None with
+    # a window: every layer
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -70,11 +78,27 @@ class ModelConfig:
             raise ValueError("norm_head=True with tie_word_embeddings=True: a NormHead is "
                              "its own lm_head")
         _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
+        check_window(self.sliding_window, self.layer_types, self.num_layers)
 
     @property
     def alibi(self) -> bool:
         """True for ALiBi models (no RoPE; linear attention biases)."""
         return self.position_embedding == "alibi"
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        types = self.layer_types or (SLIDING,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in types)
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer has it (blocks older than it are then never read
+        again and can be freed); None when some layer attends to everything."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -119,6 +143,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **hf_window(hf, arch),
         )
 
 
@@ -244,7 +269,7 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=_llama3_scaling(8.0, 8192), max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
     "mistral-7b": ModelConfig("mistral", 32000, 4096, 14336, 32, 32, 8, 128,
-                              max_position_embeddings=32768),
+                              max_position_embeddings=32768, sliding_window=4096),  # v0.1
     "qwen2-7b": ModelConfig(
         "qwen2", 152064, 3584, 18944, 28, 28, 4, 128, rms_norm_eps=1e-6, rope_theta=1e6,
         max_position_embeddings=32768, attention_bias=True, bos_token_id=151643,
@@ -258,6 +283,12 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 64)),
     "tiny-mistral": _tiny("mistral", rope_theta=1e6),
     "tiny-qwen2": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True),
+    # sliding windows of 16 tokens: on every layer (Mistral v0.1's form), and on the
+    # second of two layers (a model mixing full and window layers)
+    "tiny-mistral-window": _tiny("mistral", sliding_window=16),
+    "tiny-mixed-window": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True,
+                               sliding_window=16,
+                               layer_types=("full_attention", "sliding_attention")),
     "baichuan2-7b": ModelConfig(
         "baichuan", BAICHUAN2_VOCAB_SIZE, 4096, 11008, 32, 32, 32, 128, rms_norm_eps=1e-6,
         norm_head=True),

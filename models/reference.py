@@ -4,7 +4,8 @@
 through a contiguous per-sequence KV cache (`DenseKVCache`). Both run `models.llama.forward`
 on any Params layout, so they check the engine's paged attention, packing and sampling, not
 the decoder's arithmetic (tested against transformers in the loader tests, and against an
-independent torch Baichuan2 in tests/test_baichuan.py). ALiBi models get their bias here.
+independent torch Baichuan2 in tests/test_baichuan.py). ALiBi models get their bias here,
+sliding-window layers their window (`models.window`).
 Shape letters as in models.llama; U kv positions, M cache slots per sequence.
 """
 
@@ -21,16 +22,19 @@ import jax.numpy as jnp
 from models.alibi import check_slopes, model_slopes
 from models.config import ModelConfig
 from models.llama import Params, compute_logits, forward
+from models.window import layer_window
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                      kv_pos: jax.Array, kv_valid: jax.Array | None = None,
-                     alibi_slopes: Any = None) -> jax.Array:
+                     alibi_slopes: Any = None, window: Any = None) -> jax.Array:
     """Plain attention: q [S,T,H,D], k/v [S,U,K,D]; row t sees keys with kv_pos <= q_pos[t].
 
     q_pos [T], kv_pos [U], kv_valid optional [U] bool; alibi_slopes optional [H] (ALiBi:
     `slope_h * (kv_pos - q_pos)` added to the scaled scores; ValueError for another
-    length); returns [S,T,H,D] in q.dtype.
+    length); `window` (an int or int32 scalar; None: none) also hides the keys with
+    kv_pos <= q_pos[t] - window (transformers' sliding window); returns [S,T,H,D] in
+    q.dtype.
     """
     s, t, h, d = q.shape
     kh = k.shape[2]
@@ -43,6 +47,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(kh, h // kh, 1, 1)
         scores = scores + slopes * dist
     mask = kv_pos[None, :] <= q_pos[:, None]  # [T, U]
+    if window is not None:
+        mask = mask & (kv_pos[None, :] > q_pos[:, None] - window)
     if kv_valid is not None:
         mask = mask & kv_valid[None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
@@ -57,7 +63,8 @@ def dense_forward(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax
     slopes = model_slopes(cfg)
 
     def attn(q, k, v, cache, layer):
-        return causal_attention(q, k, v, pos, pos, alibi_slopes=slopes), cache
+        window = layer_window(cfg.layer_windows, layer)
+        return causal_attention(q, k, v, pos, pos, alibi_slopes=slopes, window=window), cache
 
     positions = jnp.broadcast_to(pos, token_ids.shape)
     hidden, _ = forward(params, cfg, token_ids, positions, None, attn)
@@ -81,10 +88,12 @@ def init_dense_cache(cfg: ModelConfig, num_seqs: int, max_len: int, dtype: Any) 
 
 
 def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCache,
-                     layer: jax.Array, alibi_slopes: Any = None
+                     layer: jax.Array, alibi_slopes: Any = None,
+                     windows: tuple[int | None, ...] | None = None,
                      ) -> tuple[jax.Array, DenseKVCache]:
     """attn_fn over a DenseKVCache: writes k/v [S,T,K,D] at cache.length, attends causally
-    (with ALiBi given `alibi_slopes` [H]; `dense_cache_attn_fn(cfg)` binds a model's).
+    (with ALiBi given `alibi_slopes` [H], and each layer's sliding window given `windows`;
+    `dense_cache_attn_fn(cfg)` binds a model's).
 
     The caller advances `cache.length` by T after the forward (all layers write the same slots).
     """
@@ -95,13 +104,17 @@ def dense_cache_attn(q: jax.Array, k: jax.Array, v: jax.Array, cache: DenseKVCac
     max_len = kc.shape[2]
     kv_pos = jnp.arange(max_len, dtype=jnp.int32)
     q_pos = start + jnp.arange(q.shape[1], dtype=jnp.int32)
-    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos, alibi_slopes=alibi_slopes)
+    window = None if windows is None else layer_window(windows, layer)
+    out = causal_attention(q, kc[layer], vc[layer], q_pos, kv_pos, alibi_slopes=alibi_slopes,
+                           window=window)
     return out, DenseKVCache(kc, vc, cache.length)
 
 
 def dense_cache_attn_fn(cfg: ModelConfig):
-    """`dense_cache_attn` with `cfg`'s ALiBi slopes bound (None for a RoPE model)."""
-    return functools.partial(dense_cache_attn, alibi_slopes=model_slopes(cfg))
+    """`dense_cache_attn` with `cfg`'s ALiBi slopes (None for a RoPE model) and sliding
+    windows bound."""
+    return functools.partial(dense_cache_attn, alibi_slopes=model_slopes(cfg),
+                             windows=cfg.layer_windows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))

@@ -8,7 +8,8 @@ place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_lin
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
 `write_kv` and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant
-of the static config (sharded by query heads under tensor parallelism). Under tensor
+of the static config (sharded by query heads under tensor parallelism). Each layer's
+sliding window (`models.window.layer_window`) goes to its attention op. Under tensor
 parallelism these kernels, attention and the column-parallel matmuls run per device
 under shard_map (`jprefix.worker.parallel`); the row-parallel matmuls and their
 all-reduces stay XLA's. The cache is a tuple (`worker.kv_cache`): (k, v), or for an fp8
@@ -44,6 +45,7 @@ from models.llama import (
     dense_linear,
     forward,
 )
+from models.window import is_full_window, layer_window
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import (
@@ -68,17 +70,24 @@ def default_backend() -> str:
 
 
 def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch,
-               scale, alibi_slopes=None):
-    """Paged attention of the step's rows against `cache` (a `KVCache` tuple)."""
+               scale, alibi_slopes=None, window=None):
+    """Paged attention of the step's rows against `cache` (a `KVCache` tuple); `window`
+    the layer's sliding window (`models.window.layer_window`: None, an int, or traced)."""
     k_cache, v_cache = cache[:2]
     kw = dict(alibi_slopes=alibi_slopes, **scale_kwargs(cache))
     if cascade:
-        return cascade_attention(
-            q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
-            batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
-            batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1, **kw,
-        )
+        run = functools.partial(
+            cascade_attention, q, k_cache, v_cache, layer, batch["prefix_block_tables"],
+            batch["prefix_kv_lens"], batch["prefix_cu_q_lens"], batch["suffix_block_tables"],
+            batch["suffix_kv_lens"], batch["cu_q_lens"], scale=scale,
+            interpret=backend == "pallas-interpret", use_reference=backend == "xla",
+            max_q_len=1, **kw)
+        if window is None or isinstance(window, int):
+            return run(sliding_window=window)
+        # a mixed model's traced window: its full layers keep the shared-prefix pass
+        return jax.lax.cond(is_full_window(window), lambda: run(),
+                            lambda: run(sliding_window=window))
+    kw["sliding_window"] = window
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
         return paged_attention_reference(*args, scale=scale, **kw)
@@ -144,7 +153,8 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
             qkv, positions, batch["slot_mapping"], *cache[:2], layer, inv_freq,
             num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
             interpret=backend == "pallas-interpret", **scale_kwargs(cache))
-        out = _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale)
+        out = _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale,
+                         window=layer_window(cfg.layer_windows, layer))
         return out, tuple(cache)
 
     run = per_shard_qkv(local, mesh)
@@ -249,7 +259,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
         cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
         out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
-                         alibi_slopes)
+                         alibi_slopes, layer_window(cfg.layer_windows, layer))
         return out, cache
 
     local = per_shard(write_and_attend, mesh)
