@@ -124,6 +124,11 @@ def test_kernel_window_knobs(knobs, max_q_len):
         check_window_kernel(batch, window, max_q_len=max_q_len, block_q=16, **knobs)
 
 
+def test_kernel_window_decode_with_two_heads_per_tile():
+    batch = make_batch(np.random.default_rng(9), DECODE, heads=8, kv_heads=4)
+    check_window_kernel(batch, 11, max_q_len=1, block_kv=8, heads_per_tile=2)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_window_gqa_and_dtypes(dtype):
     batch = make_batch(np.random.default_rng(3), CACHED, heads=8, kv_heads=2, dtype=dtype,
