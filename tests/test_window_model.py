@@ -141,11 +141,15 @@ def test_freed_window_blocks_let_long_sequences_run_without_preemption(mistral):
     assert llm.engine.stats.num_preemptions == 0
 
 
-def test_engine_mixed_window_and_full_layers_equal_dense(qwen2_mixed):
+@pytest.mark.parametrize("backend,unroll", [("xla", False), (PALLAS, False), (PALLAS, True)])
+def test_engine_mixed_window_and_full_layers_equal_dense(qwen2_mixed, backend, unroll):
+    """Stacked layers read each layer's window at the traced layer (cascade under
+    lax.cond); unrolled ones get it static."""
     _, model = qwen2_mixed
     prompts = _prompts(3, 40, [2, 21])
     llm = LLM(model, block_size=BS, num_kv_blocks=64, enable_cascade=True,
-              cascade_min_group=2, cascade_min_blocks=1)
+              cascade_min_group=2, cascade_min_blocks=1, attention_backend=backend,
+              unroll_layers=unroll)
     for _ in range(2):
         outs = llm.generate(prompts, _greedy(10), use_tqdm=False)
         for p, o in zip(prompts, outs, strict=True):
