@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.layer_types import SLIDING, check_window, hf_window
+from models.layer_types import (
+    FULL,
+    SLIDING,
+    check_window,
+    hf_window,
+    layer_windows,
+    uniform_window,
+)
 
 ARCHS = ("llama", "mistral", "qwen2", "baichuan")
 _HF_ARCHITECTURES = {
@@ -54,10 +61,7 @@ class ModelConfig:
     position_embedding: str = "rope"
     norm_head: bool = False
     checkpoint_quantization: str | None = None
-    # sliding-window attention (`models.window`): a query at position p sees the keys at
-    # positions p - sliding_window < k <= p; `layer_types` (one per layer,
-    # "sliding_attention" or "full_attention", HF's names) says which layers; None with
-    # a window: every layer
+    # p - sliding_window < k <= p (models.layer_types); layer_types None: every layer
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
 
@@ -88,17 +92,12 @@ class ModelConfig:
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window (None: full attention)."""
-        if self.sliding_window is None:
-            return (None,) * self.num_layers
-        types = self.layer_types or (SLIDING,) * self.num_layers
-        return tuple(self.sliding_window if t == SLIDING else None for t in types)
+        return layer_windows(self.sliding_window, self.layer_types, self.num_layers)
 
     @property
     def uniform_sliding_window(self) -> int | None:
-        """The window when every layer has it (blocks older than it are then never read
-        again and can be freed); None when some layer attends to everything."""
-        windows = set(self.layer_windows)
-        return windows.pop() if len(windows) == 1 else None
+        """The window every layer has (None: some layer has none)."""
+        return uniform_window(self.layer_windows)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -283,12 +282,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 64)),
     "tiny-mistral": _tiny("mistral", rope_theta=1e6),
     "tiny-qwen2": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True),
-    # sliding windows of 16 tokens: on every layer (Mistral v0.1's form), and on the
-    # second of two layers (a model mixing full and window layers)
+    # 16-token windows on every layer, and on the second of two
     "tiny-mistral-window": _tiny("mistral", sliding_window=16),
-    "tiny-mixed-window": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True,
-                               sliding_window=16,
-                               layer_types=("full_attention", "sliding_attention")),
+    "tiny-mixed-window": _tiny("qwen2", attention_bias=True, sliding_window=16,
+                               layer_types=(FULL, SLIDING)),
     "baichuan2-7b": ModelConfig(
         "baichuan", BAICHUAN2_VOCAB_SIZE, 4096, 11008, 32, 32, 32, 128, rms_norm_eps=1e-6,
         norm_head=True),

@@ -40,3 +40,20 @@ def check_window(sliding_window: Any, layer_types: tuple[str, ...] | None,
     bad = sorted(set(layer_types) - {SLIDING, FULL})
     if bad:
         raise ValueError(f"unsupported layer_types {bad}; supported: {[SLIDING, FULL]}")
+
+
+def layer_windows(sliding_window: int | None, layer_types: tuple[str, ...] | None,
+                  num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window: `sliding_window` on the sliding layers (all of them when
+    `layer_types` is None), None on the others."""
+    if sliding_window is None:
+        return (None,) * num_layers
+    types = layer_types or (SLIDING,) * num_layers
+    return tuple(sliding_window if t == SLIDING else None for t in types)
+
+
+def uniform_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window when every layer has the same one (blocks older than it are then never
+    read again and can be freed); None when some layer attends to everything."""
+    distinct = set(windows)
+    return distinct.pop() if len(distinct) == 1 else None
