@@ -1,5 +1,7 @@
 """The real SmolLM2-135M: cached == uncached == dense greedy generation, and the CLI."""
 
+import asyncio
+
 import pytest
 
 import jprefix
@@ -67,9 +69,7 @@ def test_cli_generate_prints_outputs_and_cache_table(capsys):
 
 def test_smollm2_stop_strings_wait_for_min_tokens(smol):
     """A stop string in the first `min_tokens` tokens' text does not stop the request (as
-    stop token ids do not); the server's stream cuts the same text."""
-    from jprefix.entrypoints.serving import TextStream
-
+    stop token ids do not); streamed as deltas, the same text."""
     llm = LLM(smol, num_kv_blocks=64)
     prompt = ["The capital of France is"]
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
@@ -82,7 +82,12 @@ def test_smollm2_stop_strings_wait_for_min_tokens(smol):
                                                 stop=[first]), use_tqdm=False)[0]
     assert len(gated.token_ids) >= 6 and gated.token_ids[:6] == free.token_ids[:6]
     assert gated.text == free.text[: len(gated.text)] and first in gated.text[:len(free.text)]
+    async def streamed(min_tokens: int) -> list:
+        sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=min_tokens, stop=[first])
+        return [out async for out in llm.stream_async(prompt[0], sp)]
+
     for min_tokens, final in ((0, early), (6, gated)):
-        stream = TextStream(smol.tokenizer, [first], min_tokens)
-        sent = "".join(stream.push([t]) for t in final.token_ids) + stream.finish(final.text)
-        assert sent == final.text, (min_tokens, sent, final.text)
+        deltas = asyncio.run(streamed(min_tokens))
+        assert "".join(d.text for d in deltas) == final.text, (min_tokens, deltas)
+        assert sum((d.token_ids for d in deltas), []) == final.token_ids
+        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
