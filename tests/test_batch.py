@@ -163,7 +163,7 @@ def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
         plan = CascadePlan(list(range(len(rows))), [2] * 3 + [0] * (len(rows) - 3), [3])
         S = len(fresh["kv_lens"])
         a = pack_cascade(rows, plan, B, S, 4)
-        b = pack_cascade(rows, plan, B, S, 4, cache.suffix_tables)
+        b = pack_cascade(rows, plan, B, S, 4, cache)
         for k in a:
             np.testing.assert_array_equal(b[k], a[k], err_msg=f"step {step}: cascade {k}")
 
