@@ -90,4 +90,33 @@ def test_smollm2_stop_strings_wait_for_min_tokens(smol):
         deltas = asyncio.run(streamed(min_tokens))
         assert "".join(d.text for d in deltas) == final.text, (min_tokens, deltas)
         assert sum((d.token_ids for d in deltas), []) == final.token_ids
-        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
+        reasons = [d.finish_reason for d in deltas]
+        assert reasons == [None] * (len(deltas) - 1) + [final.finish_reason]
+
+
+def test_streamed_deltas_equal_the_whole_output(smol):
+    """The Python API's stream (the engine's DELTA outputs) joins to exactly what
+    `generate` returns for the same seed: text with a stop string, tokens, logprobs, and
+    every one of n samples."""
+    llm = LLM(smol, num_kv_blocks=64)
+    prompt = "Write a short list of fruits:"
+    stops = [",", "\n"]
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=16, stop=stops, logprobs=2, n=2)
+    whole = llm.generate([prompt], sp, use_tqdm=False)[0]
+
+    async def streamed() -> list:
+        return [out async for out in llm.stream_async(prompt, sp)]
+
+    deltas = asyncio.run(streamed())
+    ids = sorted({d.request_id for d in deltas})
+    assert len(ids) == 2
+    for sample, rid in zip(whole.outputs, ids, strict=True):
+        mine = [d for d in deltas if d.request_id == rid]
+        assert "".join(d.text for d in mine) == sample.text
+        assert not any(s in sample.text for s in stops)
+        assert sum((d.token_ids for d in mine), []) == sample.token_ids
+        joined = sum((d.logprobs for d in mine), [])
+        assert [{t: lp.logprob for t, lp in p.items()} for p in joined] == \
+            [{t: lp.logprob for t, lp in p.items()} for p in sample.logprobs]
+        assert mine[-1].finish_reason == sample.finish_reason
+        assert all(d.finish_reason is None for d in mine[:-1])
