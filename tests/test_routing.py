@@ -229,3 +229,19 @@ def test_front_forgets_the_route_of_a_sequence_its_replica_refuses():
         front._queue(seq, None)
     assert not front.has_unfinished_requests() and front.replica_of(seq.request_id) is None
     assert front.router.num_in_flight == 0
+
+
+def test_front_keeps_the_route_of_a_streamed_request_until_it_finishes():
+    from jprefix.core.outputs import RequestOutputKind
+    from jprefix.core.sampling_params import SamplingParams
+
+    front = _front()
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    group = front.add_request(None, list(range(10, 50)), sp)
+    rid, seen = group.request_id, []
+    while front.has_unfinished_requests():
+        outs = front.step()
+        seen += [o.finished for o in outs]
+        if front.has_unfinished_requests() and not any(seen[-len(outs):] or [False]):
+            assert front.replica_of(rid) is not None  # progress, not the end: still routed
+    assert seen.count(True) == 1 and len(seen) > 1 and front.replica_of(rid) is None

@@ -169,7 +169,8 @@ class DataParallelEngine(EngineFront):
             return self.router.num_in_flight > 0
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica that has work; the requests they finished."""
+        """One step of every replica that has work; their outputs (the requests they
+        finished, and DELTA / CUMULATIVE requests' progress)."""
         outputs = []
         for replica in self.replicas:
             if not replica.has_unfinished_requests():
@@ -178,7 +179,8 @@ class DataParallelEngine(EngineFront):
             if done:
                 with self._lock:
                     for out in done:
-                        self.router.finish(out.request_id)
+                        if out.finished:  # (a DELTA request's progress keeps its route)
+                            self.router.finish(out.request_id)
                 outputs += done
         return outputs
 
