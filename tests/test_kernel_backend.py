@@ -1,0 +1,83 @@
+"""pallas_kernels.backend: the per-kernel, per-shape backend table and its override."""
+
+import pytest
+
+from pallas_kernels import backend
+from pallas_kernels.backend import Rule, choose, parse_override, table_choice
+
+TABLE = (Rule("fp8_matmul", 128, 8192, "mosaic"),
+         Rule("prefill_attention", 0, 4096, "triton"))
+
+
+@pytest.mark.parametrize("rows,want", [(0, "triton"), (16, "triton"), (127, "triton"),
+                                       (128, "mosaic"), (4096, "mosaic"),
+                                       (8192, "mosaic"), (8193, "triton")])
+def test_table_ranges(rows, want):
+    assert table_choice("fp8_matmul", rows, TABLE) == want
+    assert choose("fp8_matmul", rows, table=TABLE, env="") == want
+
+
+def test_unlisted_kernel_runs_triton():
+    assert choose("prefill_attention", 8192, table=TABLE, env="") == "triton"
+    assert choose("prefill_attention", 10, table=(), env="") == "triton"
+
+
+@pytest.mark.parametrize("value", ["triton", "mosaic"])
+def test_override_forces_every_kernel(value):
+    for kernel in backend.KERNELS:
+        for rows in (1, 128, 8192):
+            assert choose(kernel, rows, table=TABLE, env=value) == value
+
+
+def test_override_per_kernel():
+    env = "prefill_attention=mosaic"
+    assert choose("prefill_attention", 100, table=TABLE, env=env) == "mosaic"
+    assert choose("fp8_matmul", 16, table=TABLE, env=env) == "triton"  # the table's
+    assert choose("fp8_matmul", 256, table=TABLE, env=env) == "mosaic"
+    env = "fp8_matmul=triton, prefill_attention=mosaic"
+    assert parse_override(env) == {"fp8_matmul": "triton", "prefill_attention": "mosaic"}
+    assert choose("fp8_matmul", 256, table=TABLE, env=env) == "triton"
+
+
+def test_mosaic_only_where_the_kernel_takes_the_shape():
+    assert choose("fp8_matmul", 256, table=TABLE, env="", mosaic_ok=False) == "triton"
+    assert choose("fp8_matmul", 256, table=TABLE, env="mosaic", mosaic_ok=False) == "triton"
+
+
+def test_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    assert choose("fp8_matmul", 1, table=()) == "mosaic"
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert choose("fp8_matmul", 256, table=TABLE) == "triton"
+    monkeypatch.delenv(backend.ENV_VAR)
+    assert choose("fp8_matmul", 256, table=TABLE) == "mosaic"
+
+
+@pytest.mark.parametrize("value", ["cuda", "fp8_matmul=cuda", "matmul=mosaic",
+                                   "fp8_matmul", "mosaic,triton"])
+def test_bad_override_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=backend.ENV_VAR):
+        choose("fp8_matmul", 16, env=value)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="'matmul'"):
+        table_choice("matmul", 16)
+    with pytest.raises(ValueError, match="rows -1"):
+        table_choice("fp8_matmul", -1)
+
+
+@pytest.mark.parametrize("table", [
+    (Rule("fp8_matmul", 0, 10, "cuda"),),
+    (Rule("attention", 0, 10, "mosaic"),),
+    (Rule("fp8_matmul", 10, 5, "mosaic"),),
+    (Rule("fp8_matmul", 0, 128, "mosaic"), Rule("fp8_matmul", 128, 256, "triton")),
+])
+def test_table_check_refuses_bad_tables(table):
+    with pytest.raises(ValueError):
+        backend._check_table(table)
+
+
+def test_shipped_table_is_valid():
+    backend._check_table(backend.TABLE)
+    backend._check_table(TABLE)
