@@ -62,6 +62,7 @@ class MgpuMatmulConfig:
     max_stages: int = 4
     wg_split: str = "m"  # the consumer warpgroups split the CTA's tile along M or N
     a_operand: str = "regs"  # quantised x: wgmma's A from registers, or through smem
+    delay_release: int = 0  # 1: a step's wgmma runs on while the next step is prepared
 
 
 def _load(ref, layout, optimized: bool = True):
@@ -97,6 +98,10 @@ def check_inputs(x, w8, w_scale, config: MgpuMatmulConfig, quant: str) -> None:
                          "in [8, 256], max_stages >= 2")
     if c.wg_split not in ("m", "n") or c.a_operand not in ("regs", "smem"):
         raise ValueError(f"{c}: wg_split must be 'm' or 'n', a_operand 'regs' or 'smem'")
+    if c.delay_release not in (0, 1) or c.delay_release >= c.max_stages - 1:
+        raise ValueError(f"{c}: delay_release must be 0 or 1, below max_stages - 1")
+    if c.delay_release and c.a_operand == "smem" and quant == "fused":
+        raise ValueError(f"{c}: a_operand 'smem' has one buffer: delay_release must be 0")
     if c.tile_k not in (64, 128):
         raise ValueError(f"tile_k {c.tile_k} must be 64 or 128 (one swizzle span of fp8)")
     if k % c.tile_k:
@@ -160,7 +165,7 @@ def _kernel(x_gmem, w_gmem, inv_gmem, xs_gmem, ws_gmem, out_gmem, out_smem, a8_s
                 plgpu.commit_smem()
                 a = a8_smem.at[wg]
         plgpu.wgmma(acc_ref, a, w_t)
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(c.delay_release)  # (the slot is released that many steps later)
         return carry
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -168,9 +173,10 @@ def _kernel(x_gmem, w_gmem, inv_gmem, xs_gmem, ws_gmem, out_gmem, out_smem, a8_s
         grid=(k_steps,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k),
+            plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), delay_release=c.delay_release,
                             transforms=_transforms(tk, x_gmem.dtype)),
-            plgpu.BlockSpec((cta_n, tk), lambda k: (0, k), transforms=_transforms(tk, FP8)),
+            plgpu.BlockSpec((cta_n, tk), lambda k: (0, k), delay_release=c.delay_release,
+                            transforms=_transforms(tk, FP8)),
         ],
         wg_axis="wg",
         num_compute_wgs=_COMPUTE_WGS,

@@ -41,9 +41,10 @@ SHAPES = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016),
           "down": (11008, 4096)}
 ROWS = (16, 128, 256, 4096)
 C = MgpuMatmulConfig
-# variant: (quant, a_operand) of the Mosaic kernel
-VARIANTS = {"fused_regs": ("fused", "regs"), "fused_smem": ("fused", "smem"),
-            "pre": ("pre", "regs")}
+# variant: (quant, a_operand, delay_release) of the Mosaic kernel
+VARIANTS = {"fused_regs": ("fused", "regs", 0), "fused_smem": ("fused", "smem", 0),
+            "pre": ("pre", "regs", 0), "fused_regs_d1": ("fused", "regs", 1),
+            "pre_d1": ("pre", "regs", 1)}
 # tilings tried per row count: few rows split the CTA's columns over the warpgroups
 TILINGS = {
     "few": (C(tile_m=64, tile_n=64, tile_k=128, max_stages=4, wg_split="n"),
@@ -54,15 +55,21 @@ TILINGS = {
 }
 
 
-def tilings_for(m: int):
+# the fastest of those per row count on the first run (docs/results/mgpu_fp8_*s1.json)
+BEST = {"few": TILINGS["few"][:1], "128": TILINGS["many"][:1], "many": TILINGS["many"][1:2]}
+
+
+def tilings_for(m: int, best: bool = False):
+    if best:
+        return BEST["few" if m <= 64 else "128" if m <= 128 else "many"]
     return TILINGS["few"] if m <= 64 else TILINGS["many"]
 
 
 def mosaic_fn(variant: str, config: MgpuMatmulConfig):
     """A jitted x, [Fp8Weight] -> [y] through the Mosaic kernel (the activations'
     amax and, for "pre", their quantisation inside the timed call)."""
-    quant, a_operand = VARIANTS[variant]
-    config = C(**{**config.__dict__, "a_operand": a_operand})
+    quant, a_operand, delay = VARIANTS[variant]
+    config = C(**{**config.__dict__, "a_operand": a_operand, "delay_release": delay})
 
     def one(x, w):
         if quant == "pre":
@@ -110,7 +117,7 @@ def busy_us(fn, x, ws):
     return None if dev is None else dev["busy_us"] / len(ws)
 
 
-def bench_case(results, name, m, variants_ok, deadline):
+def bench_case(results, name, m, variants_ok, deadline, best):
     k, n = SHAPES[name]
     copies = max(2, -(-256 * 2**20 // (k * n)))
     x, ws = make(m, k, n, copies)
@@ -126,7 +133,7 @@ def bench_case(results, name, m, variants_ok, deadline):
     row["today_us"] = busy_us(today, x, qws)
     row["today_err"] = rel_err(today(x, qws[:1])[0], ref)
     for variant in variants_ok:
-        for config in tilings_for(m):
+        for config in tilings_for(m, best):
             if time.time() > deadline:
                 row["mosaic"].append({"variant": variant, "skipped": "deadline"})
                 continue
@@ -152,6 +159,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--best-tilings", action="store_true",
+                    help="time only the tiling that was fastest per row count (BEST)")
+    ap.add_argument("--skip-checks", nargs="*", default=[],
+                    help="variants taken as correct without the check grid (checked before)")
     ap.add_argument("--budget-s", type=float, default=360.0,
                     help="stop starting Mosaic timings after this many seconds")
     args = ap.parse_args(argv)
@@ -160,6 +171,9 @@ def main(argv=None) -> None:
                "cases": [], "errors": []}
     ok = []
     for variant in args.variants:
+        if variant in args.skip_checks:
+            ok.append(variant)
+            continue
         passed = []
         for config in (*TILINGS["few"][:1], *TILINGS["many"]):
             label = f"check {variant} {config}"
@@ -169,14 +183,16 @@ def main(argv=None) -> None:
         if passed and all(passed):
             ok.append(variant)
     guarded(results, "check 7B", lambda: [check(results, v, TILINGS["many"][0], 256,
-                                                *SHAPES["qkv"]) for v in ok],
+                                                *SHAPES["qkv"]) for v in ok
+                                          if v not in args.skip_checks],
             args.output_json)
     results["variants_ok"] = ok
     deadline = t0 + args.budget_s
     for name in args.shapes:
         for m in args.rows:
             guarded(results, f"{name} {m}",
-                    lambda n=name, m=m: bench_case(results, n, m, ok, deadline),
+                    lambda n=name, m=m: bench_case(results, n, m, ok, deadline,
+                                                   args.best_tilings),
                     args.output_json)
     print(f"{'shape':8s} {'rows':>5s} {'bf16':>8s} {'today':>8s} {'mosaic':>8s}  best")
     for r in results["cases"]:
