@@ -2,10 +2,11 @@
 chooses between Mosaic GPU (wgmma + TMA, Hopper) and Triton (Pallas's first GPU backend,
 deprecated since jax 0.11.0 but still the faster one on most of our shapes).
 
-A kernel with a Mosaic GPU version asks `choose(kernel, rows)` and runs what it answers.
-The table (`TABLE`) holds, per kernel, row ranges and the backend measured faster on
-them on an H200 (the figures and the in-run peers: docs/PERF.md, "Mosaic GPU kernels");
-a range absent from the table runs Triton. "triton" means today's path for that kernel,
+A kernel with a Mosaic GPU version asks `choose(kernel, rows, k=..., n=...)` and runs
+what it answers. The table (`TABLE`) holds, per kernel, row ranges (optionally for one
+K x N operand shape) and the backend measured faster there on an H200 (the figures and
+the in-run peers: docs/PERF.md, "Mosaic GPU kernels"); whatever no rule covers runs
+Triton. "triton" means today's path for that kernel,
 whatever it is made of (for `fp8_matmul`: the Triton few-row kernel where it takes the
 rows, else XLA's fp8 dot around a separate quantising pass).
 
@@ -29,16 +30,28 @@ KERNELS = ("fp8_matmul", "prefill_attention")
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """`kernel` runs on `backend` for row counts in [min_rows, max_rows]."""
+    """`kernel` runs on `backend` for row counts in [min_rows, max_rows] and, where `k`
+    / `n` are given, only for that contraction size / output columns."""
 
     kernel: str
     min_rows: int
     max_rows: int
     backend: str
+    k: int | None = None
+    n: int | None = None
+
+    def covers(self, kernel: str, rows: int, k: int | None, n: int | None) -> bool:
+        return (self.kernel == kernel and self.min_rows <= rows <= self.max_rows
+                and self.k in (None, k) and self.n in (None, n))
 
 
 # Measured faster on one H200 (docs/PERF.md, "Mosaic GPU kernels"); Triton elsewhere.
-TABLE: tuple[Rule, ...] = ()
+# fp8_matmul: the Mosaic kernel (activations quantised by XLA as today, both scales in
+# its epilogue) beat today's path only on Llama-2-7B's o projection at 4,096 rows (107
+# against 117 us); it tied or lost on every other projection and row count measured.
+TABLE: tuple[Rule, ...] = (
+    Rule("fp8_matmul", 4096, 4096, "mosaic", k=4096, n=4096),
+)
 
 
 def parse_override(value: str | None) -> dict[str, str]:
@@ -60,26 +73,30 @@ def parse_override(value: str | None) -> dict[str, str]:
     return forced
 
 
-def table_choice(kernel: str, rows: int, table: tuple[Rule, ...] = TABLE) -> str:
-    """The table's backend for `kernel` on `rows` rows ("triton" where no rule covers)."""
+def table_choice(kernel: str, rows: int, table: tuple[Rule, ...] = TABLE, *,
+                 k: int | None = None, n: int | None = None) -> str:
+    """The table's backend for `kernel` on `rows` rows of a K x N operand ("triton"
+    where no rule covers)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
     if rows < 0:
         raise ValueError(f"rows {rows} must be >= 0")
     for rule in table:
-        if rule.kernel == kernel and rule.min_rows <= rows <= rule.max_rows:
+        if rule.covers(kernel, rows, k, n):
             return rule.backend
     return "triton"
 
 
-def choose(kernel: str, rows: int, *, mosaic_ok: bool = True,
-           table: tuple[Rule, ...] = TABLE, env: str | None = None) -> str:
-    """The backend that runs `kernel` on `rows` rows: the override (`env`, None: the
-    environment's `JPREFIX_KERNEL_BACKEND`) where it names the kernel, else the table;
-    "triton" whenever the Mosaic kernel does not take the shape (`mosaic_ok` False)."""
+def choose(kernel: str, rows: int, *, k: int | None = None, n: int | None = None,
+           mosaic_ok: bool = True, table: tuple[Rule, ...] = TABLE,
+           env: str | None = None) -> str:
+    """The backend that runs `kernel` on `rows` rows (of a K x N operand, where the
+    table has shape rules): the override (`env`, None: the environment's
+    `JPREFIX_KERNEL_BACKEND`) where it names the kernel, else the table; "triton"
+    whenever the Mosaic kernel cannot run the shape here (`mosaic_ok` False)."""
     value = os.environ.get(ENV_VAR) if env is None else env
     forced = parse_override(value).get(kernel)
-    backend = forced or table_choice(kernel, rows, table)
+    backend = forced or table_choice(kernel, rows, table, k=k, n=n)
     return backend if mosaic_ok else "triton"
 
 
@@ -93,9 +110,17 @@ def _check_table(table: tuple[Rule, ...]) -> None:
         if not 0 <= rule.min_rows <= rule.max_rows:
             raise ValueError(f"rule {rule}: needs 0 <= min_rows <= max_rows")
         for other in table[:i]:
-            if (other.kernel == rule.kernel and other.min_rows <= rule.max_rows
-                    and rule.min_rows <= other.max_rows):
+            if _overlap(other, rule):
                 raise ValueError(f"rules {other} and {rule} overlap")
+
+
+def _overlap(a: Rule, b: Rule) -> bool:
+    """Whether some call would match both rules."""
+    def same(x, y):
+        return x is None or y is None or x == y
+
+    return (a.kernel == b.kernel and a.min_rows <= b.max_rows and b.min_rows <= a.max_rows
+            and same(a.k, b.k) and same(a.n, b.n))
 
 
 _check_table(TABLE)

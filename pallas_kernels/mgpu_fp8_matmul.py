@@ -62,7 +62,7 @@ class MgpuMatmulConfig:
     max_stages: int = 4
     wg_split: str = "m"  # the consumer warpgroups split the CTA's tile along M or N
     a_operand: str = "regs"  # quantised x: wgmma's A from registers, or through smem
-    delay_release: int = 0  # 1: a step's wgmma runs on while the next step is prepared
+    delay_release: int = 0  # 1 (quant "pre"): a step's wgmma runs on into the next step
 
 
 def _load(ref, layout, optimized: bool = True):
@@ -100,8 +100,10 @@ def check_inputs(x, w8, w_scale, config: MgpuMatmulConfig, quant: str) -> None:
         raise ValueError(f"{c}: wg_split must be 'm' or 'n', a_operand 'regs' or 'smem'")
     if c.delay_release not in (0, 1) or c.delay_release >= c.max_stages - 1:
         raise ValueError(f"{c}: delay_release must be 0 or 1, below max_stages - 1")
-    if c.delay_release and c.a_operand == "smem" and quant == "fused":
-        raise ValueError(f"{c}: a_operand 'smem' has one buffer: delay_release must be 0")
+    if c.delay_release and quant == "fused":
+        raise ValueError(f"{c}: delay_release must be 0 with quant 'fused' (the next "
+                         "step's quantised A would overwrite the operand of a wgmma still "
+                         "running: wrong results on an H200)")
     if c.tile_k not in (64, 128):
         raise ValueError(f"tile_k {c.tile_k} must be 64 or 128 (one swizzle span of fp8)")
     if k % c.tile_k:
