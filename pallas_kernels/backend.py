@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 ENV_VAR = "JPREFIX_KERNEL_BACKEND"
 BACKENDS = ("triton", "mosaic")
@@ -52,6 +53,21 @@ class Rule:
 TABLE: tuple[Rule, ...] = (
     Rule("fp8_matmul", 4096, 4096, "mosaic", k=4096, n=4096),
 )
+
+
+# the jax whose Mosaic GPU lowering the kernels were built and measured with
+MOSAIC_MIN_JAX = (0, 11, 2)
+
+
+def mosaic_available() -> bool:
+    """Whether Mosaic GPU kernels can run here: a Hopper GPU (compute capability 9.0)
+    is the default device and jax is at least MOSAIC_MIN_JAX."""
+    import jax
+
+    version = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+    if jax.default_backend() != "gpu" or version < MOSAIC_MIN_JAX:
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
 
 
 def parse_override(value: str | None) -> dict[str, str]:
@@ -124,3 +140,24 @@ def _overlap(a: Rule, b: Rule) -> bool:
 
 
 _check_table(TABLE)
+
+
+def fp8_matmul_mosaic(x2, w8, w_scale, quantize: Callable):
+    """x2 [M, K] bf16 @ the fp8 weight w8 [N, K] (per-channel scales w_scale [N]) by the
+    Mosaic GPU kernel, bf16 [M, N], where the table chooses Mosaic for the shape and the
+    kernel can run it; else None (the caller runs today's path). `quantize` maps x2 to
+    (fp8 x2, row scales [M, 1]): `models.fp8_linear.quantize_activations`, the engine's
+    arithmetic, injected (pallas_kernels do not import models)."""
+    import jax.numpy as jnp
+
+    (m, k), n = x2.shape, w8.shape[0]
+    if x2.dtype != jnp.bfloat16 or choose("fp8_matmul", m, k=k, n=n,
+                                          mosaic_ok=mosaic_available()) != "mosaic":
+        return None
+    from pallas_kernels import mgpu_fp8_matmul as mgpu  # (Mosaic GPU's package needs absl)
+
+    if not mgpu.takes(k, n):
+        return None
+    x8, row_scale = quantize(x2)
+    return mgpu.mgpu_fp8_matmul(x8, w8, w_scale, quant="pre", x_scale=row_scale[:, 0],
+                                config=mgpu.ENGINE_CONFIG)

@@ -188,6 +188,16 @@ def _kernel(x_gmem, w_gmem, inv_gmem, xs_gmem, ws_gmem, out_gmem, out_smem, a8_s
     pipeline(x_gmem.at[pl.ds(m_idx * cta_m, cta_m)], w_gmem.at[pl.ds(n_idx * cta_n, cta_n)])
 
 
+# the tiling that measured fastest at 256 and 4,096 rows (docs/PERF.md), as the engine runs it
+ENGINE_CONFIG = MgpuMatmulConfig(tile_m=64, tile_n=256, tile_k=64, max_stages=4)
+
+
+def takes(k: int, n: int, config: MgpuMatmulConfig = ENGINE_CONFIG) -> bool:
+    """Whether the kernel takes a weight of K x N with `config` (any row count does)."""
+    cta_n = config.tile_n * (1 + (config.wg_split == "n"))
+    return k % config.tile_k == 0 and n % cta_n == 0
+
+
 @functools.partial(jax.jit, static_argnames=("config", "quant"))
 def mgpu_fp8_matmul(x: jax.Array, w8: jax.Array, w_scale: jax.Array, *,
                     config: MgpuMatmulConfig = MgpuMatmulConfig(), quant: str = "fused",

@@ -103,3 +103,47 @@ def test_shipped_table():
 def test_shipped_table_is_valid():
     backend._check_table(backend.TABLE)
     backend._check_table(TABLE)
+
+
+def test_fp8_matmul_mosaic_declines_off_hopper(monkeypatch):
+    """On the CPU (no Hopper GPU) the engine's fp8 matmuls never take the Mosaic path,
+    even when the override forces it: fp8_matmul_mosaic answers None."""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    x = jnp.ones((4096, 4096), jnp.bfloat16)
+    w8 = jnp.ones((4096, 4096), jnp.float8_e4m3fn)
+    assert not backend.mosaic_available()
+    assert backend.fp8_matmul_mosaic(x, w8, jnp.ones(4096), lambda x: 1 / 0) is None
+
+
+def test_fp8_matmul_mosaic_routes_where_the_table_says(monkeypatch):
+    """With a Hopper GPU (pretended), the table's shape goes to the Mosaic kernel with
+    the activations quantised by the injected function; other shapes and a float32 x
+    stay on today's path (None)."""
+    import jax.numpy as jnp
+
+    pytest.importorskip("absl", reason="Mosaic GPU's Python package imports absl")
+    from pallas_kernels import mgpu_fp8_matmul as mgpu
+
+    calls = []
+    monkeypatch.setattr(backend, "mosaic_available", lambda: True)
+    monkeypatch.setattr(mgpu, "mgpu_fp8_matmul", lambda *a, **kw: calls.append((a, kw)) or 7)
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+
+    def quantize(x):
+        return x.astype(jnp.float8_e4m3fn), jnp.full((x.shape[0], 1), 2.0)
+
+    w8, ws = jnp.ones((4096, 4096), jnp.float8_e4m3fn), jnp.ones(4096)
+    x = jnp.ones((4096, 4096), jnp.bfloat16)
+    assert backend.fp8_matmul_mosaic(x, w8, ws, quantize) == 7
+    (args, kw), = calls
+    assert args[0].dtype == jnp.float8_e4m3fn and kw["quant"] == "pre"
+    assert kw["x_scale"].shape == (4096,) and float(kw["x_scale"][0]) == 2.0
+    assert kw["config"] == mgpu.ENGINE_CONFIG
+    assert backend.fp8_matmul_mosaic(x[:256], w8, ws, quantize) is None
+    assert backend.fp8_matmul_mosaic(x.astype(jnp.float32), w8, ws, quantize) is None
+    assert backend.fp8_matmul_mosaic(x[:, :1024], w8[:, :1024], ws, quantize) is None
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert backend.fp8_matmul_mosaic(x, w8, ws, quantize) is None
+    assert len(calls) == 1
