@@ -49,6 +49,7 @@ from pallas_kernels.fp8 import row_scale
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 QUANT_MODES = ("fused", "pre")
 _COMPUTE_WGS = 2
+SMEM_BYTES = 232448  # the shared memory a Hopper CTA may take (227 KiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +58,8 @@ class MgpuMatmulConfig:
     output columns per CTA (<= 256, wgmma's N), K per pipeline step, pipeline depth."""
 
     tile_m: int = 64
-    tile_n: int = 128
-    tile_k: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
     max_stages: int = 4
     wg_split: str = "m"  # the consumer warpgroups split the CTA's tile along M or N
     a_operand: str = "regs"  # quantised x: wgmma's A from registers, or through smem
@@ -108,8 +109,33 @@ def check_inputs(x, w8, w_scale, config: MgpuMatmulConfig, quant: str) -> None:
         raise ValueError(f"tile_k {c.tile_k} must be 64 or 128 (one swizzle span of fp8)")
     if k % c.tile_k:
         raise ValueError(f"K {k} must be a multiple of tile_k {c.tile_k}")
+    cta_n = _cta(c)[1]
+    if n % cta_n:
+        raise ValueError(f"N {n} must be a multiple of the CTA's {cta_n} columns ({c})")
     if m < 1:
         raise ValueError(f"x has {m} rows")
+    if (need := smem_bytes(c, quant, k)) > SMEM_BYTES:
+        raise ValueError(f"{c} needs {need} bytes of shared memory with quant {quant!r}, "
+                         f"over a Hopper CTA's {SMEM_BYTES}: fewer stages or smaller tiles")
+
+
+def smem_bytes(config: MgpuMatmulConfig, quant: str, k: int) -> int:
+    """The shared memory a CTA takes: the pipeline's x and w tiles per stage, the two
+    warpgroups' bf16 output tiles, their fp8 A tiles (a_operand "smem"), and 1 KiB for
+    the barriers and alignment (the Mosaic GPU compiler's count, seen on an H200, was
+    the first three plus 64 bytes)."""
+    c = config
+    cta_m, cta_n = _cta(c)
+    stages = min(c.max_stages, k // c.tile_k)
+    x_bytes = 1 if quant == "pre" else 2
+    a8 = _COMPUTE_WGS * c.tile_m * c.tile_k if quant == "fused" and c.a_operand == "smem" else 0
+    return (stages * (cta_m * c.tile_k * x_bytes + cta_n * c.tile_k)
+            + _COMPUTE_WGS * c.tile_m * c.tile_n * 2 + a8 + 1024)
+
+
+def _cta(c: MgpuMatmulConfig) -> tuple[int, int]:
+    """A CTA's rows and columns of the output."""
+    return c.tile_m * (1 + (c.wg_split == "m")), c.tile_n * (1 + (c.wg_split == "n"))
 
 
 def _transforms(cols: int, dtype) -> tuple:
@@ -188,14 +214,13 @@ def _kernel(x_gmem, w_gmem, inv_gmem, xs_gmem, ws_gmem, out_gmem, out_smem, a8_s
     pipeline(x_gmem.at[pl.ds(m_idx * cta_m, cta_m)], w_gmem.at[pl.ds(n_idx * cta_n, cta_n)])
 
 
-# the tiling that measured fastest at 256 and 4,096 rows (docs/PERF.md), as the engine runs it
-ENGINE_CONFIG = MgpuMatmulConfig(tile_m=64, tile_n=256, tile_k=64, max_stages=4)
+# the engine's tiling: the defaults, the fastest measured at 256 and 4,096 rows (PERF.md)
+ENGINE_CONFIG = MgpuMatmulConfig()
 
 
 def takes(k: int, n: int, config: MgpuMatmulConfig = ENGINE_CONFIG) -> bool:
     """Whether the kernel takes a weight of K x N with `config` (any row count does)."""
-    cta_n = config.tile_n * (1 + (config.wg_split == "n"))
-    return k % config.tile_k == 0 and n % cta_n == 0
+    return k % config.tile_k == 0 and n % _cta(config)[1] == 0
 
 
 @functools.partial(jax.jit, static_argnames=("config", "quant"))
@@ -213,10 +238,7 @@ def mgpu_fp8_matmul(x: jax.Array, w8: jax.Array, w_scale: jax.Array, *,
         raise ValueError(f"quant 'pre' needs x_scale [M] = [{m}], got "
                          f"{None if x_scale is None else x_scale.shape}")
     c = config
-    cta_m = c.tile_m * (1 + (c.wg_split == "m"))
-    cta_n = c.tile_n * (1 + (c.wg_split == "n"))
-    if n % cta_n:
-        raise ValueError(f"N {n} must be a multiple of the CTA's {cta_n} columns ({c})")
+    cta_m, cta_n = _cta(c)
     mp = -(-m // cta_m) * cta_m
     pad = mp - m
     xs = jnp.pad(x_scale.astype(jnp.float32), (0, pad), constant_values=1.0)

@@ -72,13 +72,30 @@ def test_reference_saturates_and_keeps_zero_rows():
     (dict(config=C(tile_k=128)), "K 64 must be a multiple of tile_k 128"),
     (dict(config=C(wg_split="k")), "wg_split"),
     (dict(quant="int8"), "quant 'int8'"),
+    (dict(w8=jnp.zeros((96, 64), jnp.float8_e4m3fn), w_scale=jnp.ones(96)),
+     "N 96 must be a multiple of the CTA's 64"),
+    (dict(config=C(tile_k=64, delay_release=1)), "delay_release must be 0 with quant 'fused'"),
 ])
 def test_bad_inputs_are_refused_by_name(bad, match):
-    args = dict(x=jnp.zeros((4, 64), jnp.bfloat16), w8=jnp.zeros((32, 64), jnp.float8_e4m3fn),
-                w_scale=jnp.ones((32,), jnp.float32), config=C(tile_k=64), quant="fused")
+    args = dict(x=jnp.zeros((4, 64), jnp.bfloat16), w8=jnp.zeros((64, 64), jnp.float8_e4m3fn),
+                w_scale=jnp.ones((64,), jnp.float32), config=C(tile_n=64, tile_k=64),
+                quant="fused")
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         mgpu.check_inputs(**args)
+
+
+def test_shared_memory_need_is_refused_by_name():
+    """The one tiling of the GPU grid the compiler refused (245,824 bytes on the H200):
+    refused before compiling, naming the bytes."""
+    big = C(tile_m=128, tile_n=128, tile_k=64, a_operand="smem")
+    assert mgpu.smem_bytes(big, "fused", 4096) == 245760 + 1024
+    assert mgpu.smem_bytes(C(), "fused", 4096) <= mgpu.SMEM_BYTES
+    x, w8 = jnp.zeros((4, 4096), jnp.bfloat16), jnp.zeros((256, 4096), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="246784 bytes of shared memory"):
+        mgpu.check_inputs(x, w8, jnp.ones(256), big, "fused")
+    mgpu.check_inputs(x, w8, jnp.ones(256), C(**{**big.__dict__, "a_operand": "regs"}),
+                      "fused")
 
 
 CONFIGS = [C(tile_m=64, tile_n=64, tile_k=128, wg_split="n"),
@@ -96,6 +113,10 @@ CONFIGS = [C(tile_m=64, tile_n=64, tile_k=128, wg_split="n"),
 def test_kernel_matches_reference(m, k, n, config, a_operand):
     config = C(**{**config.__dict__, "a_operand": a_operand})
     x, w = make(m, k, n, seed=m + n)
+    if mgpu.smem_bytes(config, "fused", k) > mgpu.SMEM_BYTES:
+        with pytest.raises(ValueError, match="shared memory"):
+            mgpu.mgpu_fp8_matmul(x, w.w8, w.scale, config=config)
+        return
     ref = mgpu.mgpu_fp8_matmul_reference(x, w.w8, w.scale)
     poison = jnp.full((m + 256, n), jnp.nan, jnp.bfloat16).block_until_ready()
     del poison
@@ -105,11 +126,13 @@ def test_kernel_matches_reference(m, k, n, config, a_operand):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Mosaic GPU kernels need a Hopper GPU")
-def test_kernel_pre_quantised():
+@pytest.mark.parametrize("delay", [0, 1])
+def test_kernel_pre_quantised(delay):
     x, w = make(200, 512, 256, seed=3)
     ref = mgpu.mgpu_fp8_matmul_reference(x, w.w8, w.scale)
     from models.fp8_linear import quantize_activations
 
     x8, xs = quantize_activations(x)
-    out = mgpu.mgpu_fp8_matmul(x8, w.w8, w.scale, quant="pre", x_scale=xs[:, 0])
+    out = mgpu.mgpu_fp8_matmul(x8, w.w8, w.scale, quant="pre", x_scale=xs[:, 0],
+                               config=C(delay_release=delay))
     assert rel(out, ref) < 1e-2
