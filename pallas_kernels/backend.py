@@ -6,16 +6,17 @@ A kernel with a Mosaic GPU version asks `choose(kernel, rows, k=..., n=...)` and
 what it answers. The table (`TABLE`) holds, per kernel, row ranges (optionally for one
 K x N operand shape) and the backend measured faster there on an H200 (the figures and
 the in-run peers: docs/PERF.md, "Mosaic GPU kernels"); whatever no rule covers runs
-Triton. "triton" means today's path for that kernel,
-whatever it is made of (for `fp8_matmul`: the Triton few-row kernel where it takes the
-rows, else XLA's fp8 dot around a separate quantising pass).
+Triton. "triton" means today's path for that kernel, whatever it is made of (for
+`fp8_matmul`: the Triton few-row kernel where it takes the rows, else XLA's fp8 dot
+between a quantising and a scaling fusion). Only the fp8 matmul has a Mosaic GPU
+version so far.
 
 The environment variable `JPREFIX_KERNEL_BACKEND` overrides the table, for comparison:
-`triton` or `mosaic` forces every kernel, `fp8_matmul=mosaic,prefill_attention=triton`
-forces the kernels named (the rest follow the table). A forced Mosaic choice applies
-only where the Mosaic kernel takes the shape (`mosaic_ok`), since the other shapes have
-no Mosaic version to run. The variable is read at each call, so a jitted function takes
-the value in force when it was traced.
+`triton` or `mosaic` forces every kernel, `fp8_matmul=mosaic` (comma-separated
+`kernel=backend` items) the kernels named, the rest following the table. A forced Mosaic
+choice applies only where the Mosaic kernel can run the shape here (`mosaic_ok`: a
+Hopper GPU, the kernel's shape constraints). The variable is read at each call, so a
+jitted function takes the value in force when it was traced.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 ENV_VAR = "JPREFIX_KERNEL_BACKEND"
 BACKENDS = ("triton", "mosaic")
-KERNELS = ("fp8_matmul", "prefill_attention")
+KERNELS = ("fp8_matmul",)  # the kernels with a Mosaic GPU version
 
 
 @dataclasses.dataclass(frozen=True)

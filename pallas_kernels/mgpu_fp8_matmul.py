@@ -17,10 +17,13 @@ else is one kernel (`quant="fused"`): per K step the producer warpgroup brings a
 [rows, tile_k] bf16 tile of x and a [cols, tile_k] fp8 tile of w into shared memory by
 TMA (`max_stages` deep); each of the two consumer warpgroups loads its 64-row slice of
 the x tile into registers (the wgmma 8-bit operand layout), multiplies by the rows'
-inverse scales, converts to e4m3 and issues wgmma with A from registers and B (w) from
-shared memory; the epilogue scales the float32 accumulator by the row and column scales
-and stores bf16 through shared memory by TMA. `quant="pre"` takes x already quantised
-(fp8 [M, K], by XLA as today) for comparison: the same kernel with A from shared memory.
+inverse scales, converts to e4m3 and issues wgmma with A from registers (or, with
+`a_operand="smem"`, through a shared-memory tile) and B (w) from shared memory; the
+epilogue scales the float32 accumulator by the row and column scales and stores bf16
+through shared memory by TMA. `quant="pre"` takes x already quantised (fp8 [M, K] with
+its row scales, by XLA's fusion as today): the same kernel with A from shared memory.
+It measured faster than the fused form on every shape, and is what the engine runs
+where the backend table picks Mosaic (`backend.fp8_matmul_mosaic`; docs/PERF.md).
 
 Tiles: a CTA owns 2 x `tile_m` rows x `tile_n` columns (`wg_split` "m": each consumer
 warpgroup takes `tile_m` of the rows) or `tile_m` x 2 x `tile_n` ("n": each takes
@@ -54,8 +57,10 @@ SMEM_BYTES = 232448  # the shared memory a Hopper CTA may take (227 KiB)
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
-    """Launch parameters: rows per consumer warpgroup (a multiple of 64, wgmma's M),
-    output columns per CTA (<= 256, wgmma's N), K per pipeline step, pipeline depth."""
+    """Launch parameters: a consumer warpgroup's tile_m rows (a multiple of 64, wgmma's
+    M) x tile_n columns (<= 256, wgmma's N), K per pipeline step, pipeline depth, and
+    the variants (module docstring). The defaults are the engine's: the tiling that
+    measured fastest at 256 and 4,096 rows."""
 
     tile_m: int = 64
     tile_n: int = 256
@@ -214,7 +219,6 @@ def _kernel(x_gmem, w_gmem, inv_gmem, xs_gmem, ws_gmem, out_gmem, out_smem, a8_s
     pipeline(x_gmem.at[pl.ds(m_idx * cta_m, cta_m)], w_gmem.at[pl.ds(n_idx * cta_n, cta_n)])
 
 
-# the engine's tiling: the defaults, the fastest measured at 256 and 4,096 rows (PERF.md)
 ENGINE_CONFIG = MgpuMatmulConfig()
 
 

@@ -6,7 +6,14 @@ from pallas_kernels import backend
 from pallas_kernels.backend import Rule, choose, parse_override, table_choice
 
 TABLE = (Rule("fp8_matmul", 128, 8192, "mosaic"),
-         Rule("prefill_attention", 0, 4096, "triton"))
+         Rule("attention", 0, 4096, "triton"))
+
+
+@pytest.fixture(autouse=True)
+def two_kernels(monkeypatch):
+    """A second kernel name beside the one with a Mosaic version, for the per-kernel
+    override and the table's per-kernel rules."""
+    monkeypatch.setattr(backend, "KERNELS", ("fp8_matmul", "attention"))
 
 
 @pytest.mark.parametrize("rows,want", [(0, "triton"), (16, "triton"), (127, "triton"),
@@ -18,8 +25,8 @@ def test_table_ranges(rows, want):
 
 
 def test_unlisted_kernel_runs_triton():
-    assert choose("prefill_attention", 8192, table=TABLE, env="") == "triton"
-    assert choose("prefill_attention", 10, table=(), env="") == "triton"
+    assert choose("attention", 8192, table=TABLE, env="") == "triton"
+    assert choose("attention", 10, table=(), env="") == "triton"
 
 
 @pytest.mark.parametrize("value", ["triton", "mosaic"])
@@ -30,12 +37,12 @@ def test_override_forces_every_kernel(value):
 
 
 def test_override_per_kernel():
-    env = "prefill_attention=mosaic"
-    assert choose("prefill_attention", 100, table=TABLE, env=env) == "mosaic"
+    env = "attention=mosaic"
+    assert choose("attention", 100, table=TABLE, env=env) == "mosaic"
     assert choose("fp8_matmul", 16, table=TABLE, env=env) == "triton"  # the table's
     assert choose("fp8_matmul", 256, table=TABLE, env=env) == "mosaic"
-    env = "fp8_matmul=triton, prefill_attention=mosaic"
-    assert parse_override(env) == {"fp8_matmul": "triton", "prefill_attention": "mosaic"}
+    env = "fp8_matmul=triton, attention=mosaic"
+    assert parse_override(env) == {"fp8_matmul": "triton", "attention": "mosaic"}
     assert choose("fp8_matmul", 256, table=TABLE, env=env) == "triton"
 
 
@@ -69,7 +76,7 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("table", [
     (Rule("fp8_matmul", 0, 10, "cuda"),),
-    (Rule("attention", 0, 10, "mosaic"),),
+    (Rule("decode", 0, 10, "mosaic"),),
     (Rule("fp8_matmul", 10, 5, "mosaic"),),
     (Rule("fp8_matmul", 0, 128, "mosaic"), Rule("fp8_matmul", 128, 256, "triton")),
     (Rule("fp8_matmul", 0, 128, "mosaic", n=64), Rule("fp8_matmul", 0, 16, "triton", k=8)),
