@@ -32,14 +32,14 @@ rows, scale 1, cut off after); N must be a multiple of the CTA's columns, K of `
 
 No interpret mode: the Mosaic GPU interpreter of jax 0.10.2 (Pallas's CPU simulation of
 this backend) has no `plgpu.load`, no wgmma with A in registers and no transposed B
-operand, all of which this kernel needs; it runs on Hopper GPUs only (tests/test_mgpu_*).
+operand, all of which this kernel needs; it runs on Hopper GPUs only (tests/test_mgpu_*),
+and was built and measured with jax 0.11.2 (`backend.MOSAIC_MIN_JAX`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +72,8 @@ class MgpuMatmulConfig:
 
 
 def _load(ref, layout, optimized: bool = True):
-    """plgpu.load across jax versions (the index argument became optional in 0.11);
+    """The whole of `ref` in registers in `layout` (jax >= 0.11's plgpu.load);
     `optimized` False for a load from global memory."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
@@ -157,7 +155,7 @@ def _kernel(x_gmem, w_gmem, inv_gmem, xs_gmem, ws_gmem, out_gmem, out_smem, a8_s
     c = config
     tm, tn, tk = c.tile_m, c.tile_n, c.tile_k
     split_m = c.wg_split == "m"
-    cta_m, cta_n = tm * (1 + split_m), tn * (1 + (not split_m))
+    cta_m, cta_n = _cta(c)
     m_idx, n_idx = lax.axis_index("m"), lax.axis_index("n")
     wg = lax.axis_index("wg")
     wg_m = pl.ds(wg * tm, tm) if split_m else pl.ds(0, tm)  # within the CTA's tile
