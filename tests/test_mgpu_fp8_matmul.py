@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from models.fp8_linear import fp8_matmul, quantize_weight
+from pallas_kernels.backend import mosaic_available
 
 absl = pytest.importorskip("absl", reason="Mosaic GPU's Python package imports absl")
 mgpu = pytest.importorskip("pallas_kernels.mgpu_fp8_matmul")
 
-ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device_kind \
-    or jax.default_backend() == "gpu" and "H200" in jax.devices()[0].device_kind
+ON_HOPPER = mosaic_available()  # a Hopper GPU and jax >= 0.11.2
 C = mgpu.MgpuMatmulConfig
 
 
