@@ -53,9 +53,10 @@ def run_trace(llm, reqs: list, arrivals: list[float]) -> dict:
     while nxt < len(reqs) or active:
         now = time.monotonic()
         while nxt < len(reqs) and start + arrivals[nxt] <= now:
-            seq = make_seq(llm, reqs[nxt])
+            group = make_seq(llm, reqs[nxt])
+            seq = group.seqs[0]  # (its scheduling state: read for the token times)
             seq.arrival_time = now
-            engine.add_sequence(seq)
+            engine.add(group)
             active[seq.request_id], sent[seq.request_id] = seq, now
             times[seq.request_id] = []
             nxt += 1

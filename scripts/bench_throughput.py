@@ -122,8 +122,9 @@ def make_llm(model, args: argparse.Namespace, policy: str, caching: bool) -> LLM
 
 
 def make_seq(llm: LLM, req):
+    """The request made (validated, not queued): its handle."""
     sp = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
-    return llm.engine.make_sequence(req.prompt, sp, req.prefix_len, cache_salt=req.salt)
+    return llm.engine.make_request(req.prompt, sp, req.prefix_len, cache_salt=req.salt)
 
 
 def run_once(llm: LLM, reqs: list) -> dict:
@@ -133,9 +134,10 @@ def run_once(llm: LLM, reqs: list) -> dict:
     engine.step_stats.clear()
     before = llm.stats()["replicas"]
     start = time.perf_counter()
-    seqs = [make_seq(llm, r) for r in reqs]
-    for seq in seqs:
-        engine.add_sequence(seq)
+    groups = [make_seq(llm, r) for r in reqs]
+    for group in groups:
+        engine.add(group)
+    seqs = [g.seqs[0] for g in groups]  # (their scheduling state: preemptions)
     done, peak, outs = 0, 0, []
     while done < len(seqs):
         finished = engine.step()
