@@ -39,8 +39,3 @@ def layer_window(windows: tuple[int | None, ...], layer: jax.Array | int
         pass
     table = jnp.asarray([FULL_WINDOW if w is None else w for w in windows], jnp.int32)
     return table[layer]
-
-
-def is_full_window(window: jax.Array) -> jax.Array:
-    """Whether a traced window from `layer_window`'s table is a full-attention layer's."""
-    return window >= FULL_WINDOW

@@ -200,6 +200,10 @@ def test_cascade_with_window_cutting_through_the_shared_prefix(max_q_len, q_len)
                 cascade_attention_reference(**cascade, scale=SCALE, sliding_window=12)):
         assert not np.isnan(np.asarray(out)).any()
         assert rel_err(out[:n], truth[:n]) < TOL[jnp.float32]
+    # a window past every key of the tables (a mixed model's full layer): the shared pass
+    full = cascade_attention(**cascade, scale=SCALE, sliding_window=1 << 30,
+                             interpret=INTERPRET, max_q_len=max_q_len)
+    assert rel_err(full[:n], dense_window(batch, 1 << 20)[:n]) < TOL[jnp.float32]
 
 
 def test_window_needs_causal_attention():

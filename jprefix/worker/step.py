@@ -45,7 +45,7 @@ from models.llama import (
     dense_linear,
     forward,
 )
-from models.window import is_full_window, layer_window
+from models.window import layer_window
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
@@ -77,17 +77,12 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
     k_cache, v_cache = cache[:2]
     kw = dict(alibi_slopes=alibi_slopes, **scale_kwargs(cache))
     if cascade:
-        run = functools.partial(
-            cascade_attention, q, k_cache, v_cache, layer, batch["prefix_block_tables"],
-            batch["prefix_kv_lens"], batch["prefix_cu_q_lens"], batch["suffix_block_tables"],
-            batch["suffix_kv_lens"], batch["cu_q_lens"], scale=scale,
-            interpret=backend == "pallas-interpret", use_reference=backend == "xla",
-            max_q_len=1, **kw)
-        if window is None or isinstance(window, int):
-            return run(sliding_window=window)
-        # a mixed model's traced window: its full layers keep the shared-prefix pass
-        return jax.lax.cond(is_full_window(window), lambda: run(),
-                            lambda: run(sliding_window=window))
+        return cascade_attention(
+            q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
+            batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
+            batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
+            use_reference=backend == "xla", max_q_len=1, sliding_window=window, **kw,
+        )
     kw["sliding_window"] = window
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
