@@ -1,6 +1,7 @@
-"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2, Baichuan2) over a
-params pytree. Baichuan2 is a Llama with RoPE (7B) or ALiBi (13B, no rotation) and a
-NormHead (`normalize_head`).
+"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2, Baichuan2, Qwen3,
+Mixtral, Qwen3-MoE) over a params pytree. Baichuan2 is a Llama with RoPE (7B) or ALiBi
+(13B, no rotation) and a NormHead (`normalize_head`); Qwen3 adds per-head q/k norms
+(`LayerParams.q_norm`); Mixtral and Qwen3-MoE route each token to experts (models.moe).
 
 Shape letters: T tokens, S sequences, L layers, H query heads, K kv heads, G = H // K,
 D head dim, E hidden, F mlp hidden, V vocab. Query head h uses kv head h // G.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.fp8_linear import Fp8Weight, fp8_matmul
+from models.moe import ExpertsFn, moe_mlp
 
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
@@ -67,6 +69,11 @@ class LayerParams:
     Fused form (layout "fused"): `wq` holds [wq | wk | wv] (and `bq` the three biases)
     with `wk`/`wv`/`bk`/`bv` None, and `w_gate` holds [w_gate | w_up] with `w_up` None:
     one matmul each instead of three and two.
+
+    Optional fields (None when the config lacks the feature): `q_norm` / `k_norm`, the
+    per-head RMSNorm weights of q and k over D (`cfg.qk_norm`, applied before RoPE);
+    `router`, a mixture of experts' router (`cfg.moe`): the MLP fields then hold one
+    matrix per expert, w_gate / w_up [L, X, E, F] and w_down [L, X, F, E] (X experts).
     """
 
     attn_norm: jax.Array  # [L, E]
@@ -81,6 +88,9 @@ class LayerParams:
     w_gate: jax.Array  # [L, E, F]
     w_up: jax.Array  # [L, E, F]
     w_down: jax.Array  # [L, F, E]
+    q_norm: jax.Array | None = None  # [L, D]
+    k_norm: jax.Array | None = None  # [L, D]
+    router: jax.Array | None = None  # [L, E, X]
 
 
 @jax.tree_util.register_dataclass
@@ -133,12 +143,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
     """A stacked Params pytree of shape tuples (leading L axis on layer fields)."""
     e, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias = cfg.attention_bias
+    bias, qk, x = cfg.attention_bias, (n, cfg.head_dim) if cfg.qk_norm else None, cfg.num_experts
+    per = (n, x) if cfg.moe else (n,)  # one MLP per layer, or one per expert
     layers = LayerParams(
         attn_norm=(n, e), wq=(n, e, hd), wk=(n, e, kd), wv=(n, e, kd),
         bq=(n, hd) if bias else None, bk=(n, kd) if bias else None,
         bv=(n, kd) if bias else None, wo=(n, hd, e), mlp_norm=(n, e),
-        w_gate=(n, e, f), w_up=(n, e, f), w_down=(n, f, e))
+        w_gate=(*per, e, f), w_up=(*per, e, f), w_down=(*per, f, e), q_norm=qk, k_norm=qk,
+        router=(n, e, x) if cfg.moe else None)
     lm_head = None if cfg.tie_word_embeddings else (e, v)
     return Params(embed=(v, e), layers=layers, final_norm=(e,), lm_head=lm_head)
 
@@ -220,8 +232,31 @@ def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fuse
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
-def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, fused: bool
-         ) -> jax.Array:
+def _qk_norm(q: jax.Array, k: jax.Array, lp: LayerParams, cfg: ModelConfig
+             ) -> tuple[jax.Array, jax.Array]:
+    """q [..., H, D], k [..., K, D] RMS-normalised per head over D (`cfg.qk_norm`)."""
+    if lp.q_norm is None:
+        return q, k
+    return rms_norm(q, lp.q_norm, cfg.eps_qk), rms_norm(k, lp.k_norm, cfg.eps_qk)
+
+
+def _qk_norm_fused(qkv: jax.Array, lp: LayerParams, cfg: ModelConfig, shards: int
+                   ) -> jax.Array:
+    """The fused projection [..., (H+2K)*D] with its q and k heads normalised
+    (`_qk_norm`), in place; per shard s the columns are [q_s | k_s | v_s]
+    (`Params.shards`), heads D columns each."""
+    if lp.q_norm is None:
+        return qkv
+    h, kv = cfg.num_heads // shards, cfg.num_kv_heads // shards
+    heads = qkv.reshape(*qkv.shape[:-1], shards, h + 2 * kv, cfg.head_dim)
+    q, k = _qk_norm(heads[..., :h, :], heads[..., h:h + kv, :], lp, cfg)
+    return jnp.concatenate([q, k, heads[..., h + kv:, :]], axis=-2).reshape(qkv.shape)
+
+
+def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, fused: bool,
+         cfg: ModelConfig, experts_fn: ExpertsFn | None) -> jax.Array:
+    if lp.router is not None:  # mixture of experts (models.moe)
+        return moe_mlp(h, lp.router, lp.w_gate, lp.w_up, lp.w_down, cfg, experts_fn)
     if fused:  # [w_gate | w_up] (per shard: see Params.shards)
         act = col_linear(h, lp.w_gate, "silu_mul")
     else:
@@ -231,8 +266,8 @@ def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             cache: Any, attn_fn: AttnFn, linear: LinearFn = dense_linear,
-            qkv_attn_fn: QKVAttnFn | None = None, col_linear: LinearFn | None = None
-            ) -> tuple[jax.Array, Any]:
+            qkv_attn_fn: QKVAttnFn | None = None, col_linear: LinearFn | None = None,
+            experts_fn: ExpertsFn | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
     `params.layout` (checked by `check_layout`, at trace time) decides how the layers run:
@@ -249,6 +284,10 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     a `col_linear` that applies "silu_mul" within each shard's block (a per-shard
     function, e.g. under shard_map): ValueError without one.
 
+    A mixture of experts (`cfg.moe`) routes each token (`models.moe.moe_mlp`) and runs the
+    experts through `experts_fn` (default `models.moe.experts`; under tensor parallelism
+    a per-device one, which fused-over-shards params require: ValueError without one).
+
     An ALiBi model (`cfg.alibi`) rotates nothing: its attention adds the bias, with the
     slopes of `models.alibi.model_slopes(cfg)`, which `attn_fn` must apply (the engine's
     step and models.reference's attention do). `qkv_attn_fn` (RoPE fused into the KV
@@ -259,11 +298,13 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
         raise ValueError("qkv_attn_fn applies RoPE; an ALiBi model takes attn_fn only")
     if params.shards > 1 and col_linear is None:
         raise ValueError(f"params fused over {params.shards} shards need a col_linear")
+    if params.shards > 1 and cfg.moe and experts_fn is None:
+        raise ValueError(f"experts fused over {params.shards} shards need an experts_fn")
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
                              attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
                              fused=params.layout == "fused", shards=params.shards,
-                             col_linear=col_linear or linear)
+                             col_linear=col_linear or linear, experts_fn=experts_fn)
     if params.layout == "stacked":
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
@@ -275,21 +316,24 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
 
 def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
            positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn,
-           qkv_attn_fn: QKVAttnFn | None, fused: bool, shards: int, col_linear: LinearFn):
+           qkv_attn_fn: QKVAttnFn | None, fused: bool, shards: int, col_linear: LinearFn,
+           experts_fn: ExpertsFn | None):
     x, cache = carry
     lp, layer = xs
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if fused and qkv_attn_fn is not None:
-        qkv = _fused_qkv(h, lp, col_linear)
+        qkv = _qk_norm_fused(_fused_qkv(h, lp, col_linear), lp, cfg, shards)
         out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
                                  inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
         q, k, v = _qkv(h, lp, cfg, col_linear, fused, shards)
+        q, k = _qk_norm(q, k, lp, cfg)
         if not cfg.alibi:
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
     x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
-    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused)
+    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused,
+                 cfg, experts_fn)
     return (x, cache), None
 
 
