@@ -5,18 +5,24 @@ Shape letters as in models.llama, plus X experts, k experts per token (`top_k`),
 expert's hidden size and A = T * k assignments (token, expert).
 
 Routing is HF's arithmetic: router logits in the model dtype, softmax over all X in
-float32, the top-k (ties to the lower expert index, as `jax.lax.top_k` and torch.topk
-both break them), renormalised to sum 1 when `cfg.norm_topk_prob` (Mixtral always; for
+float32, the top-k, renormalised to sum 1 when `cfg.norm_topk_prob` (Mixtral always; for
 Qwen3-MoE its config says). Qwen3-MoE casts the weights back to the model dtype before
 they scale the experts' outputs; Mixtral keeps them in float32.
+Equal probabilities go to the lower expert index (`jax.lax.top_k`'s documented order).
+HF's torch.topk leaves the order of ties unspecified, and on the CPU it does not take the
+lowest index (of [1, 2, 1, 1, 0, 1, 2, 1] its top 3 are experts 1, 6, 7), so which of
+several tied experts HF picks is not reproducible; the lowest index is.
 
 The experts run grouped: the A assignments are sorted by expert (a stable sort, so
 tokens keep their order within an expert), each expert's rows form one contiguous group,
-and `grouped_matmul` multiplies each group by its own expert's weight with
-`jax.lax.ragged_dot`. No step computes an expert for a token not routed to it (the one
-place that decides how the grouped matmul runs is `grouped_matmul`). The outputs are
-unsorted by the inverse permutation and summed over k in float32 with the routing
-weights.
+and `grouped_matmul` (the one place that decides how the grouped product runs)
+multiplies each group by its own expert's weight with `jax.lax.ragged_dot`; nothing here
+computes an expert for a token not routed to it. How ragged_dot executes is the
+backend's: jax 0.10 on the CPU, and XLA:GPU unless its cuDNN ragged-dot fusion is on
+(`--xla_gpu_experimental_use_ragged_dot_fusion`, cuDNN >= 9.22), expand it into a masked
+product over every group; jax's Pallas-Triton grouped GEMM takes it where that jax ships
+it (`jax_ragged_dot_use_gpu_pallas_triton_lowering`). The outputs are unsorted by the
+inverse permutation and summed over k in float32 with the routing weights.
 
 Expert weights are `LayerParams.w_gate` / `w_up` [X, E, F] and `w_down` [X, F, E] (one
 layer; stacked ones carry a leading L), or fused `w_gate` [X, E, 2F] = [gate | up] per
