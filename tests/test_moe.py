@@ -209,13 +209,25 @@ TP_SCRIPT = textwrap.dedent("""
     from jprefix import LLM, SamplingParams
     from models.reference import dense_generate
     assert len(jax.devices()) == 2, jax.devices()
+    import dataclasses
     model = jprefix.load(sys.argv[1], dtype="float32", load_format="dummy", seed=3)
+    lp = model.params.layers  # experts and router x8: the tokens depend on the experts
+
+    def with_layers(**kw):
+        return dataclasses.replace(model.params, layers=dataclasses.replace(lp, **kw))
+
+    model = dataclasses.replace(model, params=with_layers(
+        w_gate=8 * lp.w_gate, w_up=8 * lp.w_up, w_down=8 * lp.w_down, router=8 * lp.router))
+    lp = model.params.layers
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 256, 24).tolist()
     prompts = [shared + rng.integers(3, 256, n).tolist() for n in (3, 7, 12)]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = [dense_generate(model.params, model.config, p, 5, eos_token_ids=())
             for p in prompts]
+    no_experts = with_layers(w_down=0 * lp.w_down)
+    assert want != [dense_generate(no_experts, model.config, p, 5, eos_token_ids=())
+                    for p in prompts]
     for tp, unroll in ((1, False), (2, False), (2, True)):
         llm = LLM(model, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
                   attention_backend="xla", unroll_layers=unroll)
