@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_qwen3 import BS, check_engine_modes, check_parity, greedy, save_random_hf_model
+from test_qwen3 import (
+    BS,
+    check_engine_modes,
+    check_gguf_round_trip,
+    check_parity,
+    greedy,
+    save_random_hf_model,
+)
 
 from jprefix import LLM
 from jprefix.worker.parallel import check_tp_size
@@ -252,3 +259,9 @@ def test_two_device_tensor_parallel_matches_one_device_and_dense(name):
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT, name], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_gguf_loads_the_same_weights(models, arch, tmp_path):
+    """qwen3moe, and Mixtral as llama.cpp files it (`llama` with an expert count)."""
+    check_gguf_round_trip(models[arch][1], tmp_path / f"{arch}.gguf")

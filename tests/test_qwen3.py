@@ -6,6 +6,8 @@ The helpers here (`hf_config`, `save_random_hf_model`) also serve tests/test_moe
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,71 @@ def test_published_config_gives_the_preset_and_unsupported_features_are_refused(
         from_hf_config({**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096})
     with pytest.raises(ValueError, match="sliding_attention"):
         from_hf_config({**QWEN3_8B, "layer_types": ["sliding_attention"] * 36})
+
+
+_GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def write_gguf(loaded, path) -> None:
+    """The loaded model's weights as llama.cpp files them (float32, HF orientation, its
+    tensor names and metadata; Q/K rows permuted for the `llama` architecture)."""
+    import gguf
+
+    from models.gguf_loader import gguf_tensor_name
+
+    cfg, params = loaded.config, loaded.params
+    arch = _GGUF_ARCH[cfg.arch]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+    for field in ("embed", "final_norm", "lm_head"):
+        w.add_tensor(gguf_tensor_name(field, None), _hf(field, getattr(params, field)))
+    for f in dataclasses.fields(params.layers):
+        stack = getattr(params.layers, f.name)
+        for i in range(0 if stack is None else cfg.num_layers):
+            arr = _hf(f.name, stack[i])
+            if arch == "llama" and f.name in ("wq", "wk"):  # llama.cpp's permutation
+                heads = cfg.num_heads if f.name == "wq" else cfg.num_kv_heads
+                arr = arr.reshape(heads, 2, -1, arr.shape[-1]).swapaxes(1, 2).reshape(arr.shape)
+            w.add_tensor(gguf_tensor_name(f.name, i, cfg.moe), np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _hf(field: str, x) -> np.ndarray:
+    """A Params array in HF orientation ([out, in], experts [X, out, in])."""
+    from models.weights import _TRANSPOSED
+
+    arr = np.asarray(x, np.float32)
+    return np.swapaxes(arr, -1, -2) if field in _TRANSPOSED else arr
+
+
+def check_gguf_round_trip(loaded, path) -> None:
+    """A GGUF of the model loads back to the same config and weights."""
+    from models.gguf_loader import load_gguf
+
+    write_gguf(loaded, path)
+    params, cfg = load_gguf(path, jnp.float32)
+    assert cfg.rms_norm_eps == pytest.approx(loaded.config.rms_norm_eps)  # (float32 there)
+    assert cfg == dataclasses.replace(loaded.config, bos_token_id=None, eos_token_ids=(),
+                                      rms_norm_eps=cfg.rms_norm_eps)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(loaded.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_qwen3_gguf_loads_the_same_weights(qwen3, tmp_path):
+    check_gguf_round_trip(qwen3[1], tmp_path / "qwen3.gguf")
