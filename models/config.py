@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from models.config_families import qk_norm_and_expert_fields
+
 ARCHS = ("llama", "mistral", "qwen2", "baichuan", "qwen3", "mixtral", "qwen3_moe")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -33,13 +35,10 @@ class ModelConfig:
     checkpoint stores its linear weights in fp8 with scales (`fp8_checkpoint`); the
     loader dequantises them and the engine serves with `quantization="fp8"`.
 
-    `qk_norm` (Qwen3; Gemma 3 also has it): q and k are RMS-normalised per head over D
-    before RoPE, with their own weights (`LayerParams.q_norm` / `k_norm` [D]) and epsilon
-    `qk_norm_eps` (None: `rms_norm_eps`, as Qwen3). `num_experts` > 0 (Mixtral,
-    Qwen3-MoE): every layer's MLP is a mixture of that many SwiGLU experts of
-    `intermediate_size` F each, `num_experts_per_tok` of them per token, their weights
-    the softmax over all router logits (float32) at the top-k, renormalised to sum 1 when
-    `norm_topk_prob` (models.moe).
+    `qk_norm`: q and k RMS-normalised per head before RoPE (models.norms), epsilon
+    `qk_norm_eps` (None: `rms_norm_eps`). `num_experts` > 0: every layer's MLP is that
+    many experts of F = `intermediate_size`, `num_experts_per_tok` per token, weighted by
+    the top-k of the router's softmax, renormalised if `norm_topk_prob` (models.moe).
     """
 
     arch: str
@@ -65,7 +64,7 @@ class ModelConfig:
     checkpoint_quantization: str | None = None
     qk_norm: bool = False
     qk_norm_eps: float | None = None
-    num_experts: int = 0
+    num_experts: int = 0  # (0: a dense MLP)
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
 
@@ -86,8 +85,7 @@ class ModelConfig:
             raise ValueError("norm_head=True with tie_word_embeddings=True: a NormHead is "
                              "its own lm_head")
         _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
-        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_experts_per_tok
-                                    <= self.num_experts):
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts={self.num_experts} with num_experts_per_tok="
                              f"{self.num_experts_per_tok}: need 1 <= top-k <= experts")
 
@@ -149,7 +147,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-        ), **_qk_norm_and_expert_fields(hf, arch))
+        ), **qk_norm_and_expert_fields(hf, arch))
 
 
 from_hf_config = ModelConfig.from_hf_config
@@ -202,37 +200,6 @@ def _hf_arch(hf: dict[str, Any]) -> str:
     if model_type not in ARCHS:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHS}")
     return model_type
-
-
-def _qk_norm_and_expert_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The ModelConfig fields Qwen3 (q/k norms), Mixtral and Qwen3-MoE (experts) add to a
-    Llama config; ValueError naming a config feature they use that jprefix does not
-    implement (sliding-window layers, dense layers between sparse ones)."""
-    if arch not in ("qwen3", "mixtral", "qwen3_moe"):
-        return {}
-    if hf.get("use_sliding_window") or (arch == "mixtral" and hf.get("sliding_window")):
-        key = "use_sliding_window" if arch != "mixtral" else "sliding_window"
-        raise ValueError(f"unsupported {key}={hf[key]!r} ({arch}: sliding-window layers)")
-    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
-    if kinds:
-        raise ValueError(f"unsupported layer_types {sorted(kinds)} ({arch}: only "
-                         "full_attention layers)")
-    out: dict[str, Any] = {"qk_norm": arch != "mixtral"}
-    if arch == "mixtral":
-        return {**out, "num_experts": hf["num_local_experts"],
-                "num_experts_per_tok": hf["num_experts_per_tok"], "norm_topk_prob": True}
-    if arch == "qwen3":
-        return out
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise ValueError(f"unsupported decoder_sparse_step={hf['decoder_sparse_step']} "
-                         "(qwen3_moe: dense MLP layers between sparse ones)")
-    if hf.get("mlp_only_layers"):
-        raise ValueError(f"unsupported mlp_only_layers={hf['mlp_only_layers']} "
-                         "(qwen3_moe: dense MLP layers between sparse ones)")
-    return {**out, "intermediate_size": hf["moe_intermediate_size"],
-            "num_experts": hf.get("num_experts") or hf["num_local_experts"],
-            "num_experts_per_tok": hf["num_experts_per_tok"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def _from_baichuan_config(hf: dict[str, Any]) -> ModelConfig:
@@ -345,11 +312,9 @@ PRESETS: dict[str, ModelConfig] = {
         "mixtral", 32000, 4096, 14336, 32, 32, 8, 128, rope_theta=1e6,
         max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2),
     "tiny-qwen3": _tiny("qwen3", rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True),
-    "tiny-mixtral": _tiny("mixtral", intermediate_size=48, rope_theta=1e6, num_experts=4,
-                          num_experts_per_tok=2),
-    "tiny-qwen3-moe": _tiny("qwen3_moe", intermediate_size=32, rms_norm_eps=1e-6,
-                            qk_norm=True, num_experts=8, num_experts_per_tok=3,
-                            norm_topk_prob=True),
+    "tiny-mixtral": _tiny("mixtral", intermediate_size=48, num_experts=4, num_experts_per_tok=2),
+    "tiny-qwen3-moe": _tiny("qwen3_moe", intermediate_size=32, rms_norm_eps=1e-6, qk_norm=True,
+                            num_experts=8, num_experts_per_tok=3),
     "tiny-smollm2": _tiny("llama", hidden_size=96, num_heads=6, num_kv_heads=2,
                           tie_word_embeddings=True, rope_theta=100000.0),
 }

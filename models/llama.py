@@ -1,7 +1,6 @@
 """Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2, Baichuan2, Qwen3,
-Mixtral, Qwen3-MoE) over a params pytree. Baichuan2 is a Llama with RoPE (7B) or ALiBi
-(13B, no rotation) and a NormHead (`normalize_head`); Qwen3 adds per-head q/k norms
-(`LayerParams.q_norm`); Mixtral and Qwen3-MoE route each token to experts (models.moe).
+Mixtral, Qwen3-MoE) over a params pytree. Baichuan2: RoPE (7B) or ALiBi (13B) and a NormHead
+(`normalize_head`); Qwen3: q/k norms (models.norms); Mixtral, Qwen3-MoE: experts (models.moe).
 
 Shape letters: T tokens, S sequences, L layers, H query heads, K kv heads, G = H // K,
 D head dim, E hidden, F mlp hidden, V vocab. Query head h uses kv head h // G.
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.fp8_linear import Fp8Weight, fp8_matmul
 from models.moe import ExpertsFn, moe_mlp
+from models.norms import qk_norm, qk_norm_fused, rms_norm
 
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
@@ -70,10 +70,9 @@ class LayerParams:
     with `wk`/`wv`/`bk`/`bv` None, and `w_gate` holds [w_gate | w_up] with `w_up` None:
     one matmul each instead of three and two.
 
-    Optional fields (None when the config lacks the feature): `q_norm` / `k_norm`, the
-    per-head RMSNorm weights of q and k over D (`cfg.qk_norm`, applied before RoPE);
-    `router`, a mixture of experts' router (`cfg.moe`): the MLP fields then hold one
-    matrix per expert, w_gate / w_up [L, X, E, F] and w_down [L, X, F, E] (X experts).
+    Optional (None without the feature): `q_norm` / `k_norm`, per-head q/k RMSNorm weights
+    (`cfg.qk_norm`, before RoPE); `router` (`cfg.moe`), whose MLP fields hold one matrix
+    per expert: w_gate / w_up [L, X, E, F], w_down [L, X, F, E] (X experts).
     """
 
     attn_norm: jax.Array  # [L, E]
@@ -170,13 +169,6 @@ def normalize_head(lm_head: jax.Array) -> jax.Array:
     return (w / jnp.maximum(norm, 1e-12)).astype(lm_head.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back, then scaled (HF order)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     """[D/2] float32 inverse frequencies, with llama3 or linear scaling applied."""
     d = cfg.head_dim
@@ -232,27 +224,6 @@ def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fuse
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
-def _qk_norm(q: jax.Array, k: jax.Array, lp: LayerParams, cfg: ModelConfig
-             ) -> tuple[jax.Array, jax.Array]:
-    """q [..., H, D], k [..., K, D] RMS-normalised per head over D (`cfg.qk_norm`)."""
-    if lp.q_norm is None:
-        return q, k
-    return rms_norm(q, lp.q_norm, cfg.eps_qk), rms_norm(k, lp.k_norm, cfg.eps_qk)
-
-
-def _qk_norm_fused(qkv: jax.Array, lp: LayerParams, cfg: ModelConfig, shards: int
-                   ) -> jax.Array:
-    """The fused projection [..., (H+2K)*D] with its q and k heads normalised
-    (`_qk_norm`), in place; per shard s the columns are [q_s | k_s | v_s]
-    (`Params.shards`), heads D columns each."""
-    if lp.q_norm is None:
-        return qkv
-    h, kv = cfg.num_heads // shards, cfg.num_kv_heads // shards
-    heads = qkv.reshape(*qkv.shape[:-1], shards, h + 2 * kv, cfg.head_dim)
-    q, k = _qk_norm(heads[..., :h, :], heads[..., h:h + kv, :], lp, cfg)
-    return jnp.concatenate([q, k, heads[..., h + kv:, :]], axis=-2).reshape(qkv.shape)
-
-
 def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, fused: bool,
          cfg: ModelConfig, experts_fn: ExpertsFn | None) -> jax.Array:
     if lp.router is not None:  # mixture of experts (models.moe)
@@ -284,9 +255,8 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     a `col_linear` that applies "silu_mul" within each shard's block (a per-shard
     function, e.g. under shard_map): ValueError without one.
 
-    A mixture of experts (`cfg.moe`) routes each token (`models.moe.moe_mlp`) and runs the
-    experts through `experts_fn` (default `models.moe.experts`; under tensor parallelism
-    a per-device one, which fused-over-shards params require: ValueError without one).
+    A mixture of experts runs its experts through `experts_fn` (default models.moe's; one
+    per device under tensor parallelism, required by params fused over shards).
 
     An ALiBi model (`cfg.alibi`) rotates nothing: its attention adds the bias, with the
     slopes of `models.alibi.model_slopes(cfg)`, which `attn_fn` must apply (the engine's
@@ -322,12 +292,13 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
     lp, layer = xs
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if fused and qkv_attn_fn is not None:
-        qkv = _qk_norm_fused(_fused_qkv(h, lp, col_linear), lp, cfg, shards)
+        qkv = qk_norm_fused(_fused_qkv(h, lp, col_linear), lp.q_norm, lp.k_norm, cfg.eps_qk,
+                            cfg.num_heads, cfg.num_kv_heads, shards)  # (before its RoPE)
         out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
                                  inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
         q, k, v = _qkv(h, lp, cfg, col_linear, fused, shards)
-        q, k = _qk_norm(q, k, lp, cfg)
+        q, k = qk_norm(q, k, lp.q_norm, lp.k_norm, cfg.eps_qk)
         if not cfg.alibi:
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
