@@ -110,7 +110,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     return dataclasses.replace(
         cfg, qk_norm=arch in ("qwen3", "qwen3_moe"), num_experts=experts,
         num_experts_per_tok=meta("expert_used_count") if experts else 0,
-        norm_topk_prob=bool(_field(reader, f"{gguf_arch}.expert_weights_norm", True)))
+        norm_topk_prob=True)  # (llama.cpp renormalises these architectures' top-k always)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
