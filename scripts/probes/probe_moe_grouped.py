@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ids = np.stack([rng.choice(x_, k, replace=False) for _ in range(t)]).astype(np.int32)
         x = jax.random.normal(keys[2], (t, e)).astype(jnp.bfloat16)
         w = jnp.full((t, k), 1.0 / k, jnp.float32)
-        seconds = time_layer(run, (x, w, jnp.asarray(ids), *weights), args.reps)
+        try:
+            seconds = time_layer(run, (x, w, jnp.asarray(ids), *weights), args.reps)
+        except Exception as e:  # noqa: BLE001 (XLA's dense expansion can run out of memory)
+            rows.append(dict(tokens=t, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(rows[-1], flush=True)
+            continue
         nbytes = touched_bytes(ids, e, f, itemsize)
         bound = nbytes / (args.bandwidth_tb_s * 1e12)
         rows.append(dict(tokens=t, experts_touched=int(len(np.unique(ids))),
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\n{args.model} experts of one layer ({x_} x [{e}, {f}], top-{k}), "
           f"{args.quantization or 'bf16'}, backend {jax.default_backend()}")
     for r in rows:
+        if "error" in r:
+            print(f"T {r['tokens']:5d}: {r['error']}")
+            continue
         print(f"T {r['tokens']:5d}: {r['experts_touched']:4d} experts touched, "
               f"{r['ms']:8.3f} ms (bound {r['bound_ms']:.3f} ms, {r['of_bound']:.0%})")
     return rows
