@@ -252,11 +252,11 @@ TP_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
-def test_two_device_tensor_parallel_matches_one_device_and_dense(name):
+def test_two_device_tensor_parallel_matches_one_device_and_dense():
+    """Qwen3-MoE (Mixtral's experts run the same code)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, name], env=env, cwd=ROOT,
+    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, "tiny-qwen3-moe"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
