@@ -13,7 +13,9 @@ def qk_norm_and_expert_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     implement (sliding-window layers, dense layers between sparse ones)."""
     if arch not in ("qwen3", "mixtral", "qwen3_moe"):
         return {}
-    if hf.get("use_sliding_window") or (arch == "mixtral" and hf.get("sliding_window")):
+    window = hf.get("sliding_window") or 0  # (Mixtral: a window as long as the context is none)
+    if hf.get("use_sliding_window") or (
+            arch == "mixtral" and window and window < hf.get("max_position_embeddings", 0)):
         key = "use_sliding_window" if arch != "mixtral" else "sliding_window"
         raise ValueError(f"unsupported {key}={hf[key]!r} ({arch}: sliding-window layers)")
     kinds = set(hf.get("layer_types") or ()) - {"full_attention"}

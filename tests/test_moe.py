@@ -201,6 +201,8 @@ def test_published_configs_give_the_presets_and_unsupported_features_are_refused
             from_hf_config({**QWEN3_30B_A3B, **bad})
     with pytest.raises(ValueError, match="sliding_window"):
         from_hf_config({**MIXTRAL_8X7B, "sliding_window": 4096})
+    # (some Mixtral configs set the window to the whole context: no window)
+    assert from_hf_config({**MIXTRAL_8X7B, "sliding_window": 32768}) == PRESETS["mixtral-8x7b"]
     odd = dataclasses.replace(PRESETS["tiny-mixtral"], intermediate_size=50)
     with pytest.raises(ValueError, match="intermediate_size 50"):
         check_tp_size(odd, 4)
