@@ -8,8 +8,7 @@ place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_lin
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
 `write_kv` and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant
-of the static config (sharded by query heads under tensor parallelism). Each layer's
-sliding window (`models.window.layer_window`) goes to its attention op. Under tensor
+of the static config (sharded by query heads under tensor parallelism). Under tensor
 parallelism these kernels, attention and the column-parallel matmuls run per device
 under shard_map (`jprefix.worker.parallel`); the row-parallel matmuls and their
 all-reduces stay XLA's. The cache is a tuple (`worker.kv_cache`): (k, v), or for an fp8
@@ -32,7 +31,13 @@ from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
 from jprefix.worker.logits_processing import process_logits, token_logprobs
-from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
+from jprefix.worker.parallel import (
+    REPLICATED,
+    per_shard,
+    per_shard_qkv,
+    shard_columns,
+    shard_experts,
+)
 from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
@@ -72,18 +77,16 @@ def default_backend() -> str:
 
 def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch,
                scale, alibi_slopes=None, window=None):
-    """Paged attention of the step's rows against `cache` (a `KVCache` tuple); `window`
-    the layer's sliding window (`models.window.layer_window`: None, an int, or traced)."""
+    """Paged attention of the step's rows against `cache` (`KVCache`) in the layer's window."""
     k_cache, v_cache = cache[:2]
-    kw = dict(alibi_slopes=alibi_slopes, **scale_kwargs(cache))
+    kw = dict(alibi_slopes=alibi_slopes, sliding_window=window, **scale_kwargs(cache))
     if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
             batch["prefix_cu_q_lens"], batch["suffix_block_tables"], batch["suffix_kv_lens"],
             batch["cu_q_lens"], scale=scale, interpret=backend == "pallas-interpret",
-            use_reference=backend == "xla", max_q_len=1, sliding_window=window, **kw,
+            use_reference=backend == "xla", max_q_len=1, **kw,
         )
-    kw["sliding_window"] = window
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
     if backend == "xla":
         return paged_attention_reference(*args, scale=scale, **kw)
@@ -152,9 +155,8 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
             qkv, positions, batch["slot_mapping"], *cache[:2], layer, inv_freq,
             num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
             interpret=backend == "pallas-interpret", **scale_kwargs(cache))
-        out = _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale,
-                         window=layer_window(cfg.layer_windows, layer))
-        return out, tuple(cache)
+        return _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale,
+                          window=layer_window(cfg.layer_windows, layer)), tuple(cache)
 
     run = per_shard_qkv(local, mesh)
 
@@ -257,9 +259,8 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
 
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
         cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
-        out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
-                         alibi_slopes, layer_window(cfg.layer_windows, layer))
-        return out, cache
+        return _attention(backend, decode, cascade, q, cache, layer, batch, scale,
+                          alibi_slopes, layer_window(cfg.layer_windows, layer)), cache
 
     local = per_shard(write_and_attend, mesh)
 
@@ -269,7 +270,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                _linear(backend, mesh),
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
-                               _col_linear(backend, mesh))
+                               _col_linear(backend, mesh), shard_experts(mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
     return batch, token_ids, logits, prompt_logits, kv_cache
