@@ -5,8 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.config_families import qk_norm_and_expert_fields
+from models.config_families import (
+    BAICHUAN2_VOCAB_SIZE,
+    baichuan_fields,
+    qk_norm_and_expert_fields,
+)
 from models.fp8_checkpoint import fp8_checkpoint
+from models.gemma3_config import GEMMA_ACTS, gemma3_fields
 from models.layer_types import (
     FULL,
     SLIDING,
@@ -16,7 +21,7 @@ from models.layer_types import (
     uniform_window,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "baichuan", "qwen3", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "baichuan", "qwen3", "mixtral", "qwen3_moe", "gemma3")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -25,11 +30,10 @@ _HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
 }
 ROPE_TYPES = ("default", "llama3", "linear")
 POSITION_EMBEDDINGS = ("rope", "alibi")
-# Baichuan2's vocabulary; Baichuan2 (unlike Baichuan 1, vocabulary 64,000) has a NormHead
-BAICHUAN2_VOCAB_SIZE = 125696
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,11 @@ class ModelConfig:
     # p - sliding_window < k <= p (models.layer_types); layer_types None: every layer
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Gemma 3 (models.gemma3_config): the MLP's gate activation, the softmax scale's
+    # scalar (None: head_dim), the sliding layers' RoPE base (None: rope_theta)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -98,6 +107,8 @@ class ModelConfig:
                              "its own lm_head")
         _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
         check_window(self.sliding_window, self.layer_types, self.num_layers)
+        if self.hidden_act != "silu" and self.hidden_act not in GEMMA_ACTS.values():
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts={self.num_experts} with num_experts_per_tok="
                              f"{self.num_experts_per_tok}: need 1 <= top-k <= experts")
@@ -123,6 +134,11 @@ class ModelConfig:
         return layer_windows(self.sliding_window, self.layer_types, self.num_layers)
 
     @property
+    def attn_scale(self) -> float:
+        """The softmax scale: 1 / sqrt(query_pre_attn_scalar, else head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
     def uniform_sliding_window(self) -> int | None:
         """The window every layer has (None: some layer has none)."""
         return uniform_window(self.layer_windows)
@@ -143,8 +159,8 @@ class ModelConfig:
     @classmethod
     def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         arch = _hf_arch(hf)
-        if arch == "baichuan":
-            return _from_baichuan_config(hf)
+        if arch in ("baichuan", "gemma3"):
+            return cls(**(baichuan_fields if arch == "baichuan" else gemma3_fields)(hf))
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
         if hf.get("mlp_bias", False):
@@ -182,38 +198,10 @@ def _hf_arch(hf: dict[str, Any]) -> str:
             raise ValueError(
                 f"unknown architecture {name!r}; supported: {sorted(_HF_ARCHITECTURES)}"
             )
-    model_type = hf.get("model_type")
+    model_type = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
     if model_type not in ARCHS:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHS}")
     return model_type
-
-
-def _from_baichuan_config(hf: dict[str, Any]) -> ModelConfig:
-    """Baichuan2's config.json (remote-code `BaichuanConfig`), 7B or 13B.
-
-    Both sizes share `model_type` "baichuan" and the class `BaichuanForCausalLM`; the
-    7B's config (a RoPE model) has `max_position_embeddings` (its rotary table), the
-    13B's (ALiBi) only `model_max_length`, so that key's presence picks the position
-    embedding (vLLM's rule, hidden_size 4096 -> RoPE, agrees on the published configs and
-    also holds for smaller test models). NormHead iff the vocabulary is Baichuan2's
-    (Baichuan 1 has none). Heads are all kv heads (multi-head attention, fused `W_pack`).
-    """
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
-    rope = "max_position_embeddings" in hf
-    heads, eos = hf["num_attention_heads"], hf.get("eos_token_id", 2)
-    return ModelConfig(
-        arch="baichuan", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=heads, head_dim=hf["hidden_size"] // heads,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=10000.0,
-        max_position_embeddings=hf["max_position_embeddings"] if rope
-        else hf.get("model_max_length", 4096),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id", 1),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-        position_embedding="rope" if rope else "alibi",
-        norm_head=hf["vocab_size"] == BAICHUAN2_VOCAB_SIZE)
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
@@ -305,6 +293,18 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mixtral": _tiny("mixtral", intermediate_size=48, num_experts=4, num_experts_per_tok=2),
     "tiny-qwen3-moe": _tiny("qwen3_moe", intermediate_size=32, rms_norm_eps=1e-6, qk_norm=True,
                             num_experts=8, num_experts_per_tok=3),
+    "gemma-3-12b": ModelConfig(
+        "gemma3", 262208, 3840, 15360, 48, 16, 8, 256, rms_norm_eps=1e-6, rope_theta=1e6,
+        rope_scaling=(("factor", 8.0), ("rope_type", "linear")), bos_token_id=2,
+        max_position_embeddings=131072, tie_word_embeddings=True, eos_token_ids=(1, 106),
+        sliding_window=1024, layer_types=tuple(FULL if i % 6 == 5 else SLIDING
+                                               for i in range(48)),
+        rope_local_theta=10000.0, qk_norm=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=256.0),
+    "tiny-gemma3": _tiny("gemma3", sliding_window=16, layer_types=(SLIDING, FULL),
+                         rope_local_theta=10000.0, rope_theta=1e6, qk_norm=True,
+                         hidden_act="gelu_tanh", query_pre_attn_scalar=24.0,
+                         tie_word_embeddings=True),
     "tiny-smollm2": _tiny("llama", hidden_size=96, num_heads=6, num_kv_heads=2,
                           tie_word_embeddings=True, rope_theta=100000.0),
 }

@@ -19,7 +19,6 @@ cache (k, v, k_scale, v_scale), whose scales every write and attention op takes
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -111,6 +110,8 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
 
     def linear(x, w, act=None):
+        if act not in (None, "silu_mul"):  # (the kernel fuses SwiGLU only: Gemma's GeGLU)
+            return dense_linear(x, w, act)
         fp8 = isinstance(w, Fp8Weight)
         n = w.shape[1] // (2 if act == "silu_mul" else 1)
         x2 = x.reshape(-1, x.shape[-1])
@@ -250,7 +251,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
     logits [E, V] (`extra`; else None), kv_cache)."""
     batch = unflatten_batch(flat, layout)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
+    scale = cfg.attn_scale
     src = batch["token_src"]
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], batch["token_ids"])
 
