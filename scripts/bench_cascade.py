@@ -12,6 +12,12 @@ profiler trace); the JSON also has the wall time of back-to-back calls.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import functools
 import json

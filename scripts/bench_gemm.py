@@ -20,11 +20,16 @@ as fp8 (the tensor cores' fp8 x fp8 dot; the row quantisation inside the timed c
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import dataclasses
 import functools
 import itertools
-import sys
 import time
 
 import jax

@@ -11,6 +11,12 @@ arrays packed (`jprefix.worker.pack_sampling`) and its (zero) logprobs attached.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import cProfile
 import dataclasses

@@ -13,6 +13,12 @@ step's extra variant, against the plain path.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import os
@@ -25,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
-from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
+from jprefix.benchmarks.common import add_fp8_flags, fp8_kwargs  # noqa: E402
 from scripts.memcheck import (  # noqa: E402
     compile_step,
     step_memory_report,

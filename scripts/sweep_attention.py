@@ -17,10 +17,15 @@ shape's time and KV bandwidth per config, best first.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import itertools
 import json
-import sys
 import time
 
 import jax

@@ -12,6 +12,12 @@ largest difference from the shipped one (bfloat16 outputs).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import functools
 import time
 

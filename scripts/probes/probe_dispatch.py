@@ -7,6 +7,12 @@ each call, as the engine does, and (b) the same device input arrays every call.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import argparse
 import functools
 import os

@@ -18,6 +18,12 @@ Also the router's cost per request (hashing and matching a 700-token prompt).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 import statistics

@@ -17,6 +17,12 @@ and 256 x 232 (the seed workload's cascade suffix) at 32/32. Device time per cal
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 

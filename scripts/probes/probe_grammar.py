@@ -9,6 +9,12 @@ every step) and the grammar's compile. Libraries missing from the environment ar
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import json
 import statistics
 import time

@@ -9,13 +9,19 @@ engine's own host-share figure for the same steps.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import cProfile
 import io
 import pstats
 
 from jprefix import LLM, SamplingParams, load
-from scripts.bench_engine import make_prompts, workload_parser
-from scripts.bench_throughput import write_json
+from jprefix.benchmarks.common import workload_parser, write_json
+from jprefix.benchmarks.datasets import make_prompts
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -17,15 +17,21 @@ engine thread runs Python).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import functools
 import statistics
-import sys
 import time
 
 import jprefix.worker.model_runner as runner_mod
 from jprefix import LLM, SamplingParams, load
-from scripts.bench_engine import make_prompts, timed_request, workload_parser
-from scripts.bench_throughput import write_json
+from jprefix.benchmarks.common import workload_parser, write_json
+from jprefix.benchmarks.datasets import make_prompts
+from scripts.bench_engine import timed_request
 
 SPANS = ("dispatch", "pack", "handoff", "enqueue", "wait", "finish")
 
