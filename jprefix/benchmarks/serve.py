@@ -64,6 +64,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="most requests in flight at once")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate --output-len tokens whatever the model says")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="log-probabilities per token to ask for (default: none)")
     parser.add_argument("--percentile-metrics", default=DEFAULT_PERCENTILE_METRICS,
                         help="comma-separated, of ttft, tpot, itl, e2el")
     parser.add_argument("--metric-percentiles", default=DEFAULT_METRIC_PERCENTILES,
@@ -197,7 +199,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     reqs = build_requests(args, vocab_size(args, tokenizer), tokenizer)
     model = args.served_model_name or args.model
     bodies = [request_body(args.backend, model, r.prompt if args.backend == "openai"
-                           else tokenizer().decode(r.prompt), r.output_len, args.ignore_eos)
+                           else tokenizer().decode(r.prompt), r.output_len, args.ignore_eos,
+                           args.logprobs)
               for r in reqs]
     results, duration = asyncio.run(run_requests(args, bodies))
     summary = summarize(results, duration, metrics, percentiles)

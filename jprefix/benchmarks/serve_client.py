@@ -7,9 +7,12 @@ Backends (vLLM's names): `openai` posts to /v1/completions with the prompt as to
 completion tokens, and `prompt_tokens_details.cached_tokens` (prompt tokens served from
 the prefix cache).
 
-A token chunk is one whose choice carries text (`text`, or `delta.content` for chat): the
-first one's arrival is the time to first token, the gaps between the next ones are the
-inter-token latencies (a chunk may hold several tokens, as in vLLM's benchmark).
+A token chunk is one whose choice carries text (`text`, or `delta.content` for chat),
+logprobs or the finish reason (a server streams no text for a model without a tokenizer,
+but still sends logprobs when asked: `--logprobs`); the role-only or empty chunk a server
+may send first is none. The first token chunk's arrival is the time to first token, the
+gaps between the next ones are the inter-token latencies (a chunk may hold several
+tokens, as in vLLM's benchmark).
 """
 
 from __future__ import annotations
@@ -39,30 +42,38 @@ class RequestResult:
 
 
 def request_body(backend: str, model: str, prompt: list[int] | str, max_tokens: int,
-                 ignore_eos: bool) -> dict[str, Any]:
-    """The JSON body of one greedy streamed request."""
+                 ignore_eos: bool, logprobs: int | None = None) -> dict[str, Any]:
+    """The JSON body of one greedy streamed request (`logprobs`: top log-probabilities
+    per token, None: none)."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True  # (a vLLM extension jprefix takes too)
     if backend == "openai":
         body["prompt"] = prompt
+        if logprobs is not None:
+            body["logprobs"] = logprobs
     elif backend == "openai-chat":
         body["messages"] = [{"role": "user", "content": prompt}]
+        if logprobs is not None:
+            body |= {"logprobs": True, "top_logprobs": logprobs}
     else:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     return body
 
 
-def chunk_text(event: dict[str, Any]) -> str | None:
-    """The text a streamed chunk carries (None: a chunk of no choice, the usage one)."""
+def token_chunk(event: dict[str, Any]) -> str | None:
+    """The text of a streamed chunk that carries tokens ("" when they have no text yet);
+    None for any other chunk (no choice, as the usage one; or an empty first one)."""
     choices = event.get("choices") or []
     if not choices:
         return None
     choice = choices[0]
     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get(
         "content")
-    return text or ""
+    if text or choice.get("logprobs") or choice.get("finish_reason"):
+        return text or ""
+    return None
 
 
 async def send_request(client: Any, url: str, body: dict[str, Any],
@@ -83,8 +94,8 @@ async def send_request(client: Any, url: str, body: dict[str, Any],
                     continue
                 event = json.loads(line[6:])
                 usage = event.get("usage") or usage
-                text = chunk_text(event)
-                if not text:
+                text = token_chunk(event)
+                if text is None:
                     continue
                 now = time.perf_counter()
                 if result.chunks == 0:
