@@ -5,7 +5,7 @@ tokens each (ignore_eos), dummy weights of a real architecture. Each configurati
 the workload twice and reports the second run (the first compiles every shape bucket);
 the prefix cache is reset in between, so the cached run still computes its prefix once.
 
-    PYTHONPATH=$PWD python scripts/bench_engine.py --model llama-2-7b --output-json out.json
+    python scripts/bench_engine.py --model llama-2-7b --output-json out.json
 """
 
 from __future__ import annotations

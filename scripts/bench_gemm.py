@@ -15,7 +15,7 @@ choice for the rows (`worker.step._linear`: skinny_matmul's fp8 variant where it
 the rows, else the same XLA dot). `--fp8-native` sweeps the kernel with the activations
 as fp8 (the tensor cores' fp8 x fp8 dot; the row quantisation inside the timed call).
 
-    PYTHONPATH=$PWD python scripts/bench_gemm.py --output-json out/gemm.json
+    python scripts/bench_gemm.py --output-json out/gemm.json
 """
 
 from __future__ import annotations

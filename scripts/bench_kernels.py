@@ -12,7 +12,7 @@ are device times per call (`kernel_timing.measure`: the op's kernels' busy time 
 profiler trace, as inside a jitted engine step), for ours and the peers alike; the JSON
 also keeps the wall time of back-to-back calls.
 
-    PYTHONPATH=$PWD python3 scripts/bench_kernels.py --output-json out.json
+    python scripts/bench_kernels.py --output-json out.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ plus the in-place check of the KV cache. `--sampling both` times each batch twic
 repetition / presence / frequency penalties, min_p, a logit bias, 5 logprobs): the
 step's extra variant, against the plain path.
 
-    PYTHONPATH=$PWD python scripts/bench_step.py --model llama-2-7b --sampling both
+    python scripts/bench_step.py --model llama-2-7b --sampling both
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and summarizes the trace: device busy time and idle gaps per step, the kernels t
 the time, and the host's share. Each configuration (async scheduling on/off, cascade
 on/off) runs in the same process over the same compiled steps.
 
-    PYTHONPATH=$PWD python scripts/profile_engine.py --model llama-2-7b --output-json out.json
+    python scripts/profile_engine.py --model llama-2-7b --output-json out.json
 """
 
 from __future__ import annotations

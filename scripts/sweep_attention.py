@@ -11,8 +11,8 @@ config's device time per call and its attention kernel's own time (jax.profiler)
 config is checked against `paged_attention_reference` before it is timed; the table gives each
 shape's time and KV bandwidth per config, best first.
 
-    PYTHONPATH=$PWD python3 scripts/sweep_attention.py --output-json out.json
-    PYTHONPATH=$PWD python3 scripts/sweep_attention.py --smoke   # CPU, interpret mode
+    python scripts/sweep_attention.py --output-json out.json
+    python scripts/sweep_attention.py --smoke   # CPU, interpret mode
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ by `bench_kernels.alibi_cost` (alternating rounds, best of each, biased output c
 against the reference) at a few prefill tilings; the figure is the biased op at its best
 tiling against the unbiased op at its best.
 
-    PYTHONPATH=$PWD python3 scripts/probes/probe_alibi_prefill.py --output-json out.json
+    python scripts/probes/probe_alibi_prefill.py --output-json out.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 takes one per weight array) and whether its flat inputs come from numpy (copied to the
 device inside the call) or are on the device already.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_args.py
+    python scripts/probes/probe_args.py
 """
 
 from __future__ import annotations

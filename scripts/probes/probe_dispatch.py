@@ -2,7 +2,7 @@
 input buffer addresses change? Times the jitted step called with (a) fresh host inputs
 each call, as the engine does, and (b) the same device input arrays every call.
 
-    XLA_FLAGS=... PYTHONPATH=$PWD python scripts/probes/probe_dispatch.py --model llama-2-7b
+    XLA_FLAGS=... python scripts/probes/probe_dispatch.py --model llama-2-7b
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Two host measurements, no accelerator needed (run it on the CPU):
    launches would serialise with every replica's Python work.
 Also the router's cost per request (hashing and matching a 700-token prompt).
 
-    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python scripts/probes/probe_dp_host.py
+    JAX_PLATFORMS=cpu python scripts/probes/probe_dp_host.py
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the differences are host-side latency:
   spin_ready   poll out.is_ready() until true, then np.asarray(out)
   block        out.block_until_ready(), then np.asarray(out)
 
-    PYTHONPATH=$PWD python scripts/probes/probe_fetch.py
+    python scripts/probes/probe_fetch.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ thread or the jitted call). Runs the shared-prefix workload, then cProfiles the 
 thread over `--steps` decode steps and prints the functions by own time, with the
 engine's own host-share figure for the same steps.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_host.py --model llama-2-7b
+    python scripts/probes/probe_host.py --model llama-2-7b
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ of N tiny kernels that cannot fuse) and, when torch is installed, for PyTorch ea
 a replayed CUDA graph of the same chain. An engine step launches hundreds of kernels, so
 this per-launch cost bounds a step from below whatever the device does.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_launch.py [--kernels 500]
+    python scripts/probes/probe_launch.py [--kernels 500]
 
 XLA runs as jprefix sets it up (command buffers off); JPREFIX_XLA_COMMAND_BUFFERS=1 keeps
 XLA's default, and XLA_FLAGS passes other settings (e.g. --xla_gpu_cublas_fallback=false).

@@ -12,7 +12,7 @@ Variants in one process: as shipped; with Python's thread switch interval at 50 
 (`sys.setswitchinterval`, default 5 ms: the launch thread waits for the GIL while the
 engine thread runs Python).
 
-    PYTHONPATH=$PWD python scripts/probes/probe_ttft.py --model llama-2-7b --output-json out.json
+    python scripts/probes/probe_ttft.py --model llama-2-7b --output-json out.json
 """
 
 from __future__ import annotations
