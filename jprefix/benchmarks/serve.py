@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import math
 import os
 import time
@@ -191,6 +192,8 @@ def print_summary(s: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark; prints the summary; returns (with --save-result writes) it."""
+    if importlib.util.find_spec("httpx") is None:
+        raise SystemExit("jprefix bench serve needs httpx: pip install 'jprefix[bench]'")
     metrics = parse_percentile_metrics(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
     if args.max_concurrency is not None and args.max_concurrency < 1:
