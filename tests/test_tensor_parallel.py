@@ -141,3 +141,32 @@ FP8_SCRIPT = PRELUDE + textwrap.dedent("""
 @pytest.mark.parametrize("check", check_names(FP8_SCRIPT))
 def test_two_device_tensor_parallel_fp8_kv_matches_one_device(check):
     assert_check(two_device_run(FP8_SCRIPT, "xla"), check)
+
+
+def test_a_failing_subprocess_check_is_reported_by_name():
+    # (the mechanism every subprocess test here relies on, on a script without jax)
+    import os
+    import re
+
+    script = textwrap.dedent("""
+        import sys
+        for i in range(3):
+            assert i < 2, ("loop", i)
+        assert sys.argv[1] == "x"
+        try:
+            int("1")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("int accepted '1'")
+        assert 1 + 1 == 2
+    """)
+    names = check_names(script)
+    assert names[:4] == ["i < 2", 'sys.argv[1] == "x"', "int accepted '1'", "1 + 1 == 2"]
+    run = run_checks(script, ["x"], dict(os.environ), timeout=60)
+    assert_check(run, 'sys.argv[1] == "x"')
+    assert_check(run, "1 + 1 == 2")
+    assert_check(run, names[-1])  # ran to its end: a failed check does not stop the script
+    for name, detail in (("i < 2", "('loop', 2)"), ("int accepted '1'", "int accepted")):
+        with pytest.raises(AssertionError, match=re.escape(name) + ": .*" + re.escape(detail)):
+            assert_check(run, name)
