@@ -285,3 +285,42 @@ def test_plots_write_pngs(tmp_path):
     # 2 latency + 2 throughput charts, QPS at the bound, KV memory of the two throughput runs
     assert len(written) == 6 and all(p.stat().st_size > 1000 for p in written)
     assert {p.name for p in written} >= {"qps_at_latency_bound.png", "kv_memory.png"}
+
+
+def test_dataset_flags_build_each_dataset(tmp_path):
+    import argparse
+
+    from jprefix.benchmarks import workload
+
+    def args(*flags):
+        ap = argparse.ArgumentParser()
+        workload.add_dataset_args(ap, seed=True)
+        return ap.parse_args(list(flags))
+
+    def no_tokenizer():
+        raise AssertionError("a token-id dataset asked for a tokenizer")
+
+    rand = workload.build_requests(args("--dataset-name", "random", "--num-prompts", "5",
+                                        "--input-len", "12", "--output-len", "3"), 100,
+                                   no_tokenizer)
+    assert [len(r.prompt) for r in rand] == [12] * 5 and all(r.output_len == 3 for r in rand)
+    assert all(r.prefix_len is None and 10 <= min(r.prompt) for r in rand)
+    shared = workload.build_requests(args("--num-prompts", "4", "--input-len", "40",
+                                          "--prefix-len", "32"), 100, no_tokenizer)
+    assert all(r.prompt[:32] == shared[0].prompt[:32] and r.prefix_len == 32 for r in shared)
+    assert shared[0].output_len == workload.DEFAULT_OUTPUT_LEN
+    path = tmp_path / "tok.json"
+    ds.save_requests(str(path), [ds.Request(list(range(1, 9)), 7, 4, 0)] * 3, {})
+    sg_args = args("--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts",
+                   "2", "--prefix-mode", "auto")
+    reqs = workload.build_requests(sg_args, 5, no_tokenizer)
+    assert [r.prompt for r in reqs] == [[t % 5 for t in range(1, 9)]] * 2
+    assert all(r.prefix_len is None and r.output_len == 7 for r in reqs)
+    for bad, match in (
+            (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+            (["--output-len", "0"], "--output-len must be >= 1, got 0"),
+            (["--dataset-path", str(path)], "--dataset-path is read by --dataset-name sharegpt"),
+            (["--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "9"],
+             "holds 3 requests, --num-prompts 9")):
+        with pytest.raises(ValueError, match=match):
+            workload.build_requests(args(*bad), 100, no_tokenizer)
