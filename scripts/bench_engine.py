@@ -60,8 +60,8 @@ def run_throughput(llm: LLM, prompts, prefix_len, sp: SamplingParams) -> dict:
         peak = 0
         start = time.perf_counter()
         llm.engine.step_stats.clear()
-        for seq in [llm.engine.make_sequence(p, sp, prefix_len) for p in prompts]:
-            llm.engine.add_sequence(seq)
+        for group in [llm.engine.make_request(p, sp, prefix_len) for p in prompts]:
+            llm.engine.add(group)
         done = out_tokens = 0
         while done < len(prompts):
             outs = llm.engine.step()

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         sp = dataclasses.replace(EXTRA, max_tokens=args.steps + 64, ignore_eos=True)
     for _ in range(args.num_prompts):
         prompt = shared + rng.integers(10, 32000, args.unique_len).tolist()
-        engine.add_sequence(engine.make_sequence(prompt, sp, args.prefix_len))
+        engine.add_request(None, prompt, sp, args.prefix_len)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running.values()) or \
             len(engine.scheduler.running) < args.num_prompts:
         engine.step()  # prefill

@@ -118,7 +118,7 @@ def profile_prefill(llm: LLM, prompts, prefix_len: int, output_len: int, num_ste
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.reset_prefix_cache()
     for p in prompts:
-        llm.engine.add_sequence(llm.engine.make_sequence(p, sp, prefix_len))
+        llm.engine.add_request(None, p, sp, prefix_len)
     summary = traced_steps(llm, num_steps, keep_dir, tag)
     drain(llm)
     return summary
@@ -129,7 +129,7 @@ def profile_decode(llm: LLM, prompts, prefix_len: int, output_len: int, warm_ste
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.reset_prefix_cache()
     for p in prompts:
-        llm.engine.add_sequence(llm.engine.make_sequence(p, sp, prefix_len))
+        llm.engine.add_request(None, p, sp, prefix_len)
     while True:  # until every request decodes
         llm.engine.step()
         running = llm.engine.scheduler.running.values()
@@ -151,7 +151,7 @@ def _traced_request(llm: LLM, prompt, prefix_len: int, sp: SamplingParams, cache
         if cached:
             llm.generate([prompt[:prefix_len] + [11]], SamplingParams(max_tokens=1),
                          prefix_pos=prefix_len, use_tqdm=False)
-        llm.engine.add_sequence(llm.engine.make_sequence(prompt, sp, prefix_len))
+        llm.engine.add_request(None, prompt, sp, prefix_len)
         if traced:
             summary = traced_steps(llm, num_steps, keep_dir, tag)
         else:

@@ -58,14 +58,14 @@ def test_invalid_sampling_values_raise(kwargs, match):
 
 def test_a_request_keeps_its_own_sampling_params(llm):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=["x"])
-    seq = llm.engine.make_sequence(GOOD, sp)
+    group = llm.engine.make_request(GOOD, sp)
     sp.max_tokens, sp.temperature = 1, 5.0  # the caller's object changes afterwards
     sp.stop.append("y")
-    assert (seq.sampling_params.max_tokens, seq.sampling_params.temperature) == (4, 0)
-    assert seq.sampling_params.stop == ["x"]
+    assert (group.sampling_params.max_tokens, group.sampling_params.temperature) == (4, 0)
+    assert group.sampling_params.stop == ["x"]
     sp.temperature = -1.0  # invalid by now: the next request made from it is refused
     with pytest.raises(ValueError, match="temperature"):
-        llm.engine.make_sequence(GOOD, sp)
+        llm.engine.make_request(GOOD, sp)
 
 
 def test_a_seed_beyond_32_bits_is_folded_not_rejected(llm):

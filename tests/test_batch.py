@@ -8,6 +8,7 @@ from jprefix.core.scheduler import ScheduledSeq
 from jprefix.core.sequence import Sequence
 from jprefix.worker.flat_batch import flatten_batch
 from jprefix.worker.pack import BucketConfig, bucket, pack_step
+from jprefix.worker.request_rows import RequestRows
 
 B = 4
 
@@ -94,23 +95,27 @@ def test_flatten_batch_round_trips_through_one_buffer():
         flatten_batch(batch | {"wide": np.zeros(3, np.int64)})
 
 
-def test_block_table_array_follows_the_list_through_growth_and_replacement():
-    seq = Sequence("r", [1, 2, 3], SamplingParams())
+def test_table_arrays_follow_the_list_through_growth_and_replacement():
+    seq, rows = Sequence("r", [1, 2, 3], SamplingParams()), RequestRows()
     seq.block_table = [5, 9]
-    first = seq.block_table_array()
+    first = rows.table(seq)
     assert first.tolist() == [5, 9] and first.dtype == np.int32
-    assert seq.block_table_array() is first  # unchanged list: the same array
+    assert rows.table(seq) is first  # unchanged list: the same array
     seq.block_table.append(4)
     seq.block_table.extend([8, 1])
-    assert seq.block_table_array().tolist() == [5, 9, 4, 8, 1]
+    assert rows.table(seq).tolist() == [5, 9, 4, 8, 1]
     seq.reset_blocks()  # preemption: a new, empty list
-    assert seq.block_table_array().tolist() == []
+    assert rows.table(seq).tolist() == []
     seq.block_table = [7, 3, 2]  # replaced (e.g. by the prefix cache's match)
-    assert seq.block_table_array().tolist() == [7, 3, 2]
-    tail = seq.block_table_suffix(1)
-    assert tail.tolist() == [3, 2] and seq.block_table_suffix(1) is tail
+    assert rows.table(seq).tolist() == [7, 3, 2]
+    tail = rows.suffix(seq, 1)
+    assert tail.tolist() == [3, 2] and rows.suffix(seq, 1) is tail
     seq.block_table.append(6)
-    assert seq.block_table_suffix(1).tolist() == [3, 2, 6]
+    assert rows.suffix(seq, 1).tolist() == [3, 2, 6]
+    other = Sequence("r", [4, 5], SamplingParams())  # a later request reusing the id
+    other.block_table = [7, 3, 2, 6]
+    assert rows.table(other).tolist() == [7, 3, 2, 6]
+    assert rows.distinct_prompt(other).tolist() == [4, 5]
     seq.block_table = [7]
     b = pack_step([ScheduledSeq(seq, 0, 3, True)], B, BucketConfig())
     assert b["block_tables"][0, :2].tolist() == [7, 0]
@@ -158,7 +163,7 @@ def test_pack_cache_gives_the_same_arrays_as_packing_afresh():
         plan = CascadePlan(list(range(len(rows))), [2] * 3 + [0] * (len(rows) - 3), [3])
         S = len(fresh["kv_lens"])
         a = pack_cascade(rows, plan, B, S, 4)
-        b = pack_cascade(rows, plan, B, S, 4, cache.suffix_tables)
+        b = pack_cascade(rows, plan, B, S, 4, cache)
         for k in a:
             np.testing.assert_array_equal(b[k], a[k], err_msg=f"step {step}: cascade {k}")
 

@@ -17,9 +17,8 @@ BS = 8
 
 def _decode(blocks, kv_len, registered=None):
     """A decode row; its blocks are prefix-trie blocks (`registered`: all by default)."""
-    seq = SimpleNamespace(block_table=blocks,
-                          num_registered_blocks=len(blocks) if registered is None else registered,
-                          block_table_suffix=lambda p: np.asarray(blocks[p:], np.int32))
+    seq = SimpleNamespace(block_table=blocks, request_id=f"r{blocks}",
+                          num_registered_blocks=len(blocks) if registered is None else registered)
     return SimpleNamespace(seq=seq, start=kv_len - 1, num_new_tokens=1)
 
 
@@ -102,8 +101,7 @@ def test_decode_steps_of_the_same_sequences_reuse_the_plan(tiny):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine = llm.engine
     for _ in range(6):
-        engine.add_sequence(engine.make_sequence(shared + rng.integers(3, V, 5).tolist(), sp,
-                                                 3 * BS))
+        engine.add_request(None, shared + rng.integers(3, V, 5).tolist(), sp, 3 * BS)
     plans = []
     while engine.has_unfinished_requests():
         engine.step()

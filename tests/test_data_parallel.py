@@ -13,10 +13,11 @@ import pytest
 from subprocess_checks import CheckRun, assert_check, check_names, device_env, run_checks
 
 COMMON = textwrap.dedent("""
-    import asyncio, json, time
+    import asyncio, dataclasses, json, time
     import jax, numpy as np
     import jprefix
     from jprefix import LLM, SamplingParams
+    from jprefix.core.outputs import RequestOutputKind
     assert len(jax.devices()) == 4, jax.devices()
     tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
     KW = dict(block_size=8, num_kv_blocks=128, attention_backend="xla")
@@ -130,11 +131,11 @@ ROUTING = COMMON + textwrap.dedent("""
 
     def run(dp, policy, prompts=prompts, pos=PREFIX):
         llm = LLM(tiny, data_parallel_size=dp, routing_policy=policy, **KW)
-        seqs = [llm.engine.make_sequence(p, sp, pos) for p in prompts]
-        where, add = [], llm.engine.add_sequence  # the replica of each (DP 1: None)
-        llm.engine.add_sequence = lambda s: where.append(add(s) or 0)
-        done = llm._driver.run(seqs)
-        return llm, where, [done[s.request_id] for s in seqs]
+        groups = [llm.engine.make_request(p, sp, pos) for p in prompts]
+        where, queue = [], llm.engine._queue  # the replica of each (DP 1: None)
+        llm.engine._queue = lambda s, text: where.append(queue(s, text) or 0)
+        done = llm._driver.run(groups)
+        return llm, where, [done[g.request_id] for g in groups]
 
     llm1, _, outs1 = run(1, "prefix")
     llm_a, where_a, outs_a = run(2, "prefix")
@@ -175,11 +176,14 @@ ROUTING = COMMON + textwrap.dedent("""
         raise AssertionError(f"timed out waiting for {what}: {used_blocks(llm)}")
 
     async def main():
-        seqs = [await llm.make_sequence_async(p, long, PREFIX) for p in prompts[:3]]
-        a, b = llm.stream_sequence(seqs[0]), llm.stream_sequence(seqs[1])
+        kinds = [RequestOutputKind.DELTA] * 2 + [RequestOutputKind.FINAL_ONLY]
+        groups = [await llm.make_request_async(p, dataclasses.replace(long, output_kind=k),
+                                               PREFIX) for p, k in zip(prompts[:3], kinds)]
+        seqs = [g.seqs[0] for g in groups]  # (the scheduler's state, read to check it)
+        a, b = llm.stream_group(groups[0]), llm.stream_group(groups[1])
         await a.__anext__()  # a runs on replica 0
         await b.__anext__()  # b on replica 1
-        c = asyncio.ensure_future(llm.generate_sequence(seqs[2]))  # c on replica 0
+        c = asyncio.ensure_future(llm.generate_group(groups[2]))  # c on replica 0
         await wait_for(lambda: seqs[2].num_output_tokens > 0, "c running")
         assert [llm.engine.replica_of(s.request_id) for s in seqs] == [0, 1, 0]
         await a.aclose()  # leaving a stream: a disconnect

@@ -1,5 +1,7 @@
 """The real SmolLM2-135M: cached == uncached == dense greedy generation, and the CLI."""
 
+import asyncio
+
 import pytest
 
 import jprefix
@@ -67,9 +69,7 @@ def test_cli_generate_prints_outputs_and_cache_table(capsys):
 
 def test_smollm2_stop_strings_wait_for_min_tokens(smol):
     """A stop string in the first `min_tokens` tokens' text does not stop the request (as
-    stop token ids do not); the server's stream cuts the same text."""
-    from jprefix.entrypoints.serving import TextStream
-
+    stop token ids do not); streamed as deltas, the same text."""
     llm = LLM(smol, num_kv_blocks=64)
     prompt = ["The capital of France is"]
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
@@ -82,7 +82,41 @@ def test_smollm2_stop_strings_wait_for_min_tokens(smol):
                                                 stop=[first]), use_tqdm=False)[0]
     assert len(gated.token_ids) >= 6 and gated.token_ids[:6] == free.token_ids[:6]
     assert gated.text == free.text[: len(gated.text)] and first in gated.text[:len(free.text)]
+    async def streamed(min_tokens: int) -> list:
+        sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=min_tokens, stop=[first])
+        return [out async for out in llm.stream_async(prompt[0], sp)]
+
     for min_tokens, final in ((0, early), (6, gated)):
-        stream = TextStream(smol.tokenizer, [first], min_tokens)
-        sent = "".join(stream.push([t]) for t in final.token_ids) + stream.finish(final.text)
-        assert sent == final.text, (min_tokens, sent, final.text)
+        deltas = asyncio.run(streamed(min_tokens))
+        assert "".join(d.text for d in deltas) == final.text, (min_tokens, deltas)
+        assert sum((d.token_ids for d in deltas), []) == final.token_ids
+        reasons = [d.finish_reason for d in deltas]
+        assert reasons == [None] * (len(deltas) - 1) + [final.finish_reason]
+
+
+def test_streamed_deltas_equal_the_whole_output(smol):
+    """The Python API's stream (the engine's DELTA outputs) joins to exactly what
+    `generate` returns for the same seed: text with a stop string, tokens, logprobs, and
+    every one of n samples."""
+    llm = LLM(smol, num_kv_blocks=64)
+    prompt = "Write a short list of fruits:"
+    stops = [",", "\n"]
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=16, stop=stops, logprobs=2, n=2)
+    whole = llm.generate([prompt], sp, use_tqdm=False)[0]
+
+    async def streamed() -> list:
+        return [out async for out in llm.stream_async(prompt, sp)]
+
+    deltas = asyncio.run(streamed())
+    ids = sorted({d.request_id for d in deltas})
+    assert len(ids) == 2
+    for sample, rid in zip(whole.outputs, ids, strict=True):
+        mine = [d for d in deltas if d.request_id == rid]
+        assert "".join(d.text for d in mine) == sample.text
+        assert not any(s in sample.text for s in stops)
+        assert sum((d.token_ids for d in mine), []) == sample.token_ids
+        joined = sum((d.logprobs for d in mine), [])
+        assert [{t: lp.logprob for t, lp in p.items()} for p in joined] == \
+            [{t: lp.logprob for t, lp in p.items()} for p in sample.logprobs]
+        assert mine[-1].finish_reason == sample.finish_reason
+        assert all(d.finish_reason is None for d in mine[:-1])

@@ -5,6 +5,10 @@
 - jprefix/worker/ (the device side) imports no engine or entrypoint, jprefix/engine/ no
   entrypoint; models/ and pallas_kernels/ never import jprefix, and models/ never
   imports pallas_kernels/ (a fused kernel's reference may use the model's own function);
+- jprefix/entrypoints/ consume the engine's RequestOutputs: they import no
+  `core.sequence`, `engine.detokenizer`, `engine.logprobs` or worker module;
+- one owner per piece of request state: nothing outside jprefix/core sets an attribute
+  of a Sequence (the scheduler's state);
 - no first-party import cycle, and no file far over the ~300-line rule.
 """
 
@@ -98,6 +102,8 @@ def test_importing_jprefix_sets_no_environment_variable_and_loads_no_jax():
     ("jprefix.worker", ("jprefix.engine", "jprefix.entrypoints")),
     ("models", ("jprefix", "pallas_kernels")),
     ("pallas_kernels", ("jprefix",)),
+    ("jprefix.entrypoints", ("jprefix.core.sequence", "jprefix.engine.detokenizer",
+                             "jprefix.engine.logprobs", "jprefix.worker")),
 ])
 def test_each_layer_imports_only_what_is_below_it(layer, forbidden):
     bad = []
@@ -134,3 +140,74 @@ def test_no_source_file_is_far_over_300_lines():
     long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def _sequence_attributes() -> set[str]:
+    """The attributes `Sequence.__init__` sets (`self.<name> = ...`)."""
+    tree = ast.parse(MODULES["jprefix.core.sequence"].read_text())
+    init = next(n for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign | ast.AnnAssign)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"}
+
+
+SEQUENCE_NAMES = {"seq", "sequence", "child", "victim", "request"}
+
+
+def sequence_writes(source: str, attributes: set[str]) -> list[str]:
+    """Statements of `source` that set an attribute of what looks like a Sequence: any
+    attribute of a name such as `seq` (or of `x.seq`), a Sequence attribute's name on
+    anything but `self`, and `setattr` on such names."""
+    def is_seq(node: ast.AST) -> bool:
+        return ((isinstance(node, ast.Name) and node.id in SEQUENCE_NAMES)
+                or (isinstance(node, ast.Attribute) and node.attr == "seq"))
+
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and (is_seq(t.value) or (
+                    t.attr in attributes and not (isinstance(t.value, ast.Name)
+                                                  and t.value.id in ("self", "cls")))):
+                bad.append(f"line {node.lineno}: {ast.unparse(t)} = ...")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr" and node.args and is_seq(node.args[0])):
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def _own_attributes(path: Path) -> set[str]:
+    """The attributes a module's code sets on `self` (its classes' own)."""
+    return {t.attr for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Assign | ast.AugAssign | ast.AnnAssign)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"}
+
+
+def test_only_core_sets_sequence_attributes():
+    # (an attribute name that another class also owns, such as EngineStats'
+    # num_preemptions, counts only on a name such as `seq`)
+    others = set().union(*(_own_attributes(p) for n, p in MODULES.items()
+                           if n != "jprefix.core.sequence"))
+    attributes = _sequence_attributes() - others
+    assert {"num_computed_tokens", "block_table", "num_pending"} <= attributes
+    bad = {name: found for name, path in MODULES.items() if not name.startswith("jprefix.core")
+           if (found := sequence_writes(path.read_text(), attributes))}
+    assert not bad, f"Sequence attributes set outside jprefix.core: {bad}"
+
+
+def test_the_sequence_write_check_catches_writes():
+    attributes = _sequence_attributes()
+    assert sequence_writes("seq.detokenizer = d", attributes)
+    assert sequence_writes("sc.seq.stop_text = t", attributes)
+    assert sequence_writes("setattr(seq, '_cache', x)", attributes)
+    assert sequence_writes("other.num_pending += 1", attributes)
+    assert not sequence_writes("self.num_pending = 0\nstate.text = ''", attributes)

@@ -12,6 +12,7 @@ from jprefix import SamplingParams
 from jprefix.core.sequence import Sequence
 from jprefix.worker.logits_processing import process_logits
 from jprefix.worker.pack_sampling import pack_sampling
+from jprefix.worker.request_rows import RequestRows
 
 V = 48
 KINDS = {  # kind -> (sampling params, number of known output tokens)
@@ -62,7 +63,8 @@ def test_packed_entries_process_logits_like_the_dense_reference(num_rows, seed):
         active = sample and seq.sampling_extra
         want.append(_reference(logits[i], seq.prompt_token_ids, output,
                                sp if active else SamplingParams()))
-    extra, _ = pack_sampling(rows, num_rows, np.arange(num_rows + 1, dtype=np.int32))
+    extra, _ = pack_sampling(rows, num_rows, np.arange(num_rows + 1, dtype=np.int32),
+                             RequestRows())
     bounds, ids = extra["pen_bounds"], extra["pen_ids"]
     assert bounds.shape == (2 * num_rows + 1,) and bounds[0] == 0
     assert np.all(np.diff(bounds) >= 0) and bounds[-1] < len(ids)  # padding entries
@@ -83,7 +85,8 @@ def test_packed_entries_process_logits_like_the_dense_reference(num_rows, seed):
 def test_a_step_without_penalties_packs_only_padding():
     seq = Sequence("r", [5, 6, 7], SamplingParams(min_p=0.2), seed=0)
     seq.append_token(9)
-    extra, _ = pack_sampling([(seq, 3, 1, True)], 4, np.arange(5, dtype=np.int32))
+    extra, _ = pack_sampling([(seq, 3, 1, True)], 4, np.arange(5, dtype=np.int32),
+                             RequestRows())
     assert not extra["pen_bounds"].any() and len(extra["pen_ids"]) >= 1
     np.testing.assert_allclose(extra["min_p"], [0.2, 0, 0, 0])
     np.testing.assert_array_equal(extra["repetition"], 1)

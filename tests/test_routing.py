@@ -197,8 +197,9 @@ def test_front_counts_a_request_until_its_route_is_forgotten():
     from jprefix.core.sampling_params import SamplingParams
 
     front = _front()
-    seq = front.make_sequence(list(range(10, 50)), SamplingParams(max_tokens=3, ignore_eos=True))
-    r = front.add_sequence(seq)
+    seq = front.make_request(list(range(10, 50)),
+                             SamplingParams(max_tokens=3, ignore_eos=True)).seqs[0]
+    r = front._queue(seq, None)
     replica = front.replicas[r]
     while replica.has_unfinished_requests():  # the replica finishes it, the front not yet
         replica.step()
@@ -206,8 +207,8 @@ def test_front_counts_a_request_until_its_route_is_forgotten():
     assert front.has_unfinished_requests() and front.replica_of(seq.request_id) == r
     front.router.finish(seq.request_id)
     assert not front.has_unfinished_requests()
-    seq = front.make_sequence(list(range(10, 50)), SamplingParams(max_tokens=3, ignore_eos=True))
-    front.add_sequence(seq)
+    seq = front.add_request(None, list(range(10, 50)),
+                            SamplingParams(max_tokens=3, ignore_eos=True)).seqs[0]
     while front.has_unfinished_requests():
         front.step()
     assert front.replica_of(seq.request_id) is None
@@ -217,8 +218,30 @@ def test_front_forgets_the_route_of_a_sequence_its_replica_refuses():
     from jprefix.core.sampling_params import SamplingParams
 
     front = _front()
-    seq = front.make_sequence(list(range(10, 50)), SamplingParams(n=2, max_tokens=3))
-    with pytest.raises(ValueError, match="samples"):
-        front.add_sequence(seq)  # (n > 1: queue make_request's sequences instead)
+
+    def refuse(seq, prompt):
+        raise ValueError(f"request_id {seq.request_id!r} refused")
+
+    for replica in front.replicas:
+        replica._queue = refuse
+    seq = front.make_request(list(range(10, 50)), SamplingParams(max_tokens=3)).seqs[0]
+    with pytest.raises(ValueError, match="refused"):
+        front._queue(seq, None)
     assert not front.has_unfinished_requests() and front.replica_of(seq.request_id) is None
     assert front.router.num_in_flight == 0
+
+
+def test_front_keeps_the_route_of_a_streamed_request_until_it_finishes():
+    from jprefix.core.outputs import RequestOutputKind
+    from jprefix.core.sampling_params import SamplingParams
+
+    front = _front()
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    group = front.add_request(None, list(range(10, 50)), sp)
+    rid, seen = group.request_id, []
+    while front.has_unfinished_requests():
+        outs = front.step()
+        seen += [o.finished for o in outs]
+        if front.has_unfinished_requests() and not any(seen[-len(outs):] or [False]):
+            assert front.replica_of(rid) is not None  # progress, not the end: still routed
+    assert seen.count(True) == 1 and len(seen) > 1 and front.replica_of(rid) is None

@@ -19,6 +19,7 @@ from jprefix.engine.input_processor import render_chat
 from jprefix.worker.logits_processing import process_logits
 from jprefix.worker.pack import BucketConfig, pack_step
 from jprefix.worker.pack_sampling import pack_sampling
+from jprefix.worker.request_rows import RequestRows
 from jprefix.worker.sampler import sample
 from models.reference import dense_forward
 
@@ -112,7 +113,7 @@ def test_process_logits_of_packed_rows_equals_numpy():
         seq.block_table = [1 + 3 * i, 2 + 3 * i, 3 + 3 * i]
         rows.append((seq, seq.num_tokens - 1, 1, True))
     batch = pack_step(rows, 8, BucketConfig())
-    extra, _ = pack_sampling(rows, len(batch["kv_lens"]), batch["cu_q_lens"])
+    extra, _ = pack_sampling(rows, len(batch["kv_lens"]), batch["cu_q_lens"], RequestRows())
     batch |= extra
     logits = rng.normal(size=(len(batch["kv_lens"]), V)).astype(np.float32) * 3
     got = np.asarray(process_logits(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in

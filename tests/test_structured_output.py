@@ -239,7 +239,7 @@ def test_replica_views_share_the_matchers_but_each_waits_only_for_its_own_sequen
     front = llm.engine.structured
     view = front.replica_view()
     sp = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
-    a, b = (llm.engine.make_sequence([5, 6, 7], sp) for _ in range(2))
+    a, b = (llm.engine.make_request([5, 6, 7], sp).seqs[0] for _ in range(2))
     front.admit(a)
     view.admit(b)  # b's matcher was compiled through the front
     a.num_pending, b.num_pending = 1, 0

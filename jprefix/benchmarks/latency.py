@@ -31,7 +31,13 @@ from jprefix.benchmarks.metrics import (
     parse_percentiles,
     percentile_key,
 )
-from jprefix.benchmarks.throughput import add_cli_args, load_model, make_llm, make_seq, run_once
+from jprefix.benchmarks.throughput import (
+    add_cli_args,
+    load_model,
+    make_llm,
+    make_request,
+    run_once,
+)
 from jprefix.benchmarks.workload import build_requests
 
 
@@ -44,9 +50,10 @@ def run_trace(llm, reqs: list, arrivals: list[float]) -> dict:
     while nxt < len(reqs) or active:
         now = time.monotonic()
         while nxt < len(reqs) and start + arrivals[nxt] <= now:
-            seq = make_seq(llm, reqs[nxt])
+            group = make_request(llm, reqs[nxt])
+            seq = group.seqs[0]  # (its scheduling state: read for the token times)
             seq.arrival_time = now
-            engine.add_sequence(seq)
+            engine.add(group)
             active[seq.request_id], sent[seq.request_id] = seq, now
             times[seq.request_id] = []
             nxt += 1

@@ -60,12 +60,13 @@ def make_llm(model: Any, args: argparse.Namespace, policy: str, caching: bool) -
                                                     enable_prefix_caching=caching)))
 
 
-def make_seq(llm: Any, req) -> Any:
-    """The engine's sequence of one benchmark request (greedy, ignore_eos)."""
+def make_request(llm: Any, req) -> Any:
+    """One benchmark request made (validated, not queued; greedy, ignore_eos): its handle,
+    a `SampleGroup` of one sequence."""
     from jprefix import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
-    return llm.engine.make_sequence(req.prompt, sp, req.prefix_len, cache_salt=req.salt)
+    return llm.engine.make_request(req.prompt, sp, req.prefix_len, cache_salt=req.salt)
 
 
 def run_once(llm: Any, reqs: list) -> dict:
@@ -75,9 +76,10 @@ def run_once(llm: Any, reqs: list) -> dict:
     engine.step_stats.clear()
     before = llm.stats()["replicas"]
     start = time.perf_counter()
-    seqs = [make_seq(llm, r) for r in reqs]
-    for seq in seqs:
-        engine.add_sequence(seq)
+    groups = [make_request(llm, r) for r in reqs]
+    for group in groups:
+        engine.add(group)
+    seqs = [g.seqs[0] for g in groups]  # (their scheduling state: preemptions)
     done, peak, outs = 0, 0, []
     while done < len(seqs):
         finished = engine.step()

@@ -3,7 +3,19 @@ sample, `outputs[0]`)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's RequestOutputs hold (vLLM's names): FINAL_ONLY one output when it
+    finishes; DELTA one per step that added something, with only the new text, tokens
+    and logprobs (they concatenate to the final output), the last with the finish
+    reason; CUMULATIVE the same with everything so far."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -32,7 +44,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One request's result. `outputs` holds its n samples (n > 1: `samples`); the flat
+    """One request's result, or (DELTA / CUMULATIVE requests) a step's part of it:
+    `finished` says which. `outputs` holds its n samples (n > 1: `samples`); the flat
     fields (text, token_ids, finish_reason, logprobs, cumulative_logprob) are the first
     sample's, as `outputs[0]`. `prompt_logprobs`: None, or one entry per prompt token,
     the first None (nothing predicts it)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jprefix.core.prefix_cache import PrefixPool, prefix_hash_of
-from jprefix.core.request_queue import FCFSPolicy, Policy, PrefixMatch, matchable_blocks
+from jprefix.core.request_queue import FCFSPolicy, Policy, PrefixMatch
 from jprefix.core.sequence import Sequence
 
 
@@ -45,7 +45,7 @@ class LPMPolicy(Policy):
 
     def matched_blocks(self, seq: Sequence) -> int:
         trie = self.prefix_pool.trie
-        n = matchable_blocks(seq, trie.block_size)
+        n = seq.num_matchable_blocks(trie.block_size)
         return self._matches[seq.request_id].blocks(trie, seq.all_token_ids, n, seq.cache_salt)
 
     def _build(self) -> None:
@@ -140,9 +140,8 @@ class GreedyPolicy(Policy):
         key = self.group_key(seq)
         group = self._groups.get(key)
         if group is None:
-            explicit = seq.prefix_len is not None
-            n = seq.prefix_len if explicit else seq.num_tokens
-            group = PrefixGroup(seq.all_token_ids, n // self.block_size, seq.cache_salt, explicit)
+            group = PrefixGroup(seq.all_token_ids, seq.num_shareable_blocks(self.block_size),
+                                seq.cache_salt, seq.prefix_len is not None)
             self._groups[key] = group
         group.admit(seq, self.block_size)
         self._group_of[seq.request_id] = key

@@ -135,11 +135,3 @@ class PrefixMatch:
                 break
             path.append(child)
         return len(path)
-
-
-def matchable_blocks(seq: Sequence, block_size: int) -> int:
-    """Blocks of seq the scheduler may take from the cache (as Scheduler._match caps it)."""
-    shareable = seq.num_tokens if seq.prefix_len is None else seq.prefix_len
-    return min(shareable // block_size, (seq.num_tokens - 1) // block_size)
-
-

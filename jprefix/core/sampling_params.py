@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from jprefix.core.outputs import RequestOutputKind
 from jprefix.core.structured_outputs import StructuredOutputsParams
 
 # the most top-k logprobs a request may ask for per token (vLLM's default max_logprobs):
@@ -53,6 +54,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # what the request's RequestOutputs hold (FINAL_ONLY: the finished output only; the
+    # streaming entry points ask for DELTA)
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -101,6 +105,9 @@ class SamplingParams:
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r:.40}")
         self._validate_processing()
         self._validate_samples()
 

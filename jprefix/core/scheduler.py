@@ -137,8 +137,7 @@ class Scheduler:
                     continue
                 end = start + n
             if caching and end // block_size > seq.num_registered_blocks and (
-                    seq.prefix_len is None  # (an explicit prefix registers only its blocks)
-                    or seq.prefix_len >= (seq.num_registered_blocks + 1) * block_size):
+                    seq.num_shareable_blocks(block_size) > seq.num_registered_blocks):
                 self._register(seq, end)
             sample = end == scheduled_tokens
             seq.num_computed_tokens = end
@@ -200,10 +199,12 @@ class Scheduler:
         return n
 
     def _match(self, seq: Sequence) -> None:
-        max_blocks = min(self._shareable_blocks(seq), (seq.num_tokens - 1) // self.block_size)
-        if (seq.num_prompt_logprobs is not None
-                and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1):
-            max_blocks = 0  # (every prompt position's logits are wanted: compute them all)
+        max_blocks = seq.num_matchable_blocks(self.block_size)
+        if seq.num_prompt_logprobs is not None and seq.num_output_tokens == 0:
+            # every prompt position's logits are wanted: compute them all (a sequence
+            # with an output token has had them all: the step that sampled it computed
+            # the last prompt positions)
+            max_blocks = 0
         seq.block_table = self.prefix_pool.acquire(seq.all_token_ids, max_blocks, seq.cache_salt)
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
@@ -231,18 +232,13 @@ class Scheduler:
     def _register(self, seq: Sequence, end: int) -> None:
         """Inserts into the trie the shareable blocks of seq that its first `end` tokens
         fill (computed by now, or in this step) and whose tokens are known."""
-        shareable = self._shareable_blocks(seq)
+        shareable = seq.num_shareable_blocks(self.block_size)
         if min(end // self.block_size, shareable) > seq.num_registered_blocks:
             self.prefix_pool.register_blocks(seq, end, shareable)
 
     def _tokens_that_fit(self, seq: Sequence, n: int) -> int:
         capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_size
         return max(0, min(n, capacity - seq.num_computed_tokens))
-
-    def _shareable_blocks(self, seq: Sequence) -> int:
-        if seq.prefix_len is None:
-            return seq.num_tokens // self.block_size
-        return seq.prefix_len // self.block_size
 
     def _can_chunk(self, seq: Sequence) -> bool:
         # A preempted sequence recomputes prompt + output, which may exceed the budget.

@@ -7,8 +7,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -31,7 +29,12 @@ _UNFINISHED = tuple(s for s in SequenceStatus if s not in _FINISH_REASONS)
 
 
 class Sequence:
-    """One request. Tokens `all_token_ids[:num_computed_tokens]` have K/V in the cache, in
+    """One request's scheduling state (vLLM's `Request`): its tokens, blocks, prefix
+    length and status. Only `jprefix.core` sets its attributes; the engine keeps the
+    request's text, stop-string and logprob state (`engine.output_processor`), the worker
+    its packing caches (`worker.input_batch`), each keyed by `request_id`.
+
+    Tokens `all_token_ids[:num_computed_tokens]` have K/V in the cache, in
     the physical blocks `block_table` (token i lives in block_table[i // block_size]).
     `all_token_ids` (prompt + output) is the live list: read it; only `append_token` and
     the scheduler's `update` grow it (a plain attribute, not a property: the scheduler
@@ -51,7 +54,6 @@ class Sequence:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         seed: int = 0,
-        prompt: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,19 +87,7 @@ class Sequence:
         self.sampling_extra = sp is not None and (
             sp.processes_logits or self.num_logprobs is not None
             or self.num_prompt_logprobs is not None)
-        # per output token (token, logprob, rank, top ids, top logprobs), as the device
-        # computed them; per prompt position >= 1 the same; their sum over output tokens
-        self.output_logprobs: list[tuple] = []
-        self.prompt_logprobs: list[tuple] = []
-        self.cumulative_logprob = 0.0
-        # when its latest token was sampled (host clock; `engine.stats` times TTFT/ITL)
-        self.last_token_time: float | None = None
-        self.prompt = prompt  # the prompt text, when it was given as text
-        self.first_token_time: float | None = None
-        self.stop_text: str | None = None  # output text cut before a matched stop string
-        self.detokenizer: Any = None  # IncrementalDetokenizer, when stop strings are watched
-        self._table_array: tuple[list[int], np.ndarray] | None = None  # block_table_array
-        self._suffix_array: tuple[np.ndarray, int, np.ndarray] | None = None  # its suffix
+        self.first_token_time: float | None = None  # (host clock, set by `update`)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -113,6 +103,23 @@ class Sequence:
         return len(self.all_token_ids) + self.num_pending
 
     @property
+    def num_shareable_tokens(self) -> int:
+        """The leading tokens whose full blocks may be shared through the prefix cache:
+        every token in automatic mode (`prefix_len` None), else the first `prefix_len`.
+        The one definition of the rule (scheduler, queue, policies, DP router)."""
+        return len(self.all_token_ids) if self.prefix_len is None else self.prefix_len
+
+    def num_shareable_blocks(self, block_size: int) -> int:
+        """Full blocks of `num_shareable_tokens`."""
+        return self.num_shareable_tokens // block_size
+
+    def num_matchable_blocks(self, block_size: int) -> int:
+        """Leading blocks the scheduler may take from the cache: the shareable full
+        blocks, capped so that at least one token is computed (its logits are needed)."""
+        return min(self.num_shareable_blocks(block_size),
+                   (len(self.all_token_ids) - 1) // block_size)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -125,33 +132,6 @@ class Sequence:
 
     def is_finished(self) -> bool:
         return self.status not in _UNFINISHED  # (tuple identity test: no enum hashing)
-
-    def block_table_array(self) -> np.ndarray:
-        """`block_table` as an int32 array, kept between steps: a block table list only
-        grows (by `append`/`extend`) until it is replaced by another list, so the array is
-        rebuilt only for a new list and extended by the new tail otherwise."""
-        table, cached = self.block_table, self._table_array
-        if cached is not None and cached[0] is table:
-            arr = cached[1]
-            if len(arr) == len(table):
-                return arr
-            if len(arr) < len(table):
-                arr = np.concatenate([arr, np.asarray(table[len(arr):], np.int32)])
-                self._table_array = (table, arr)
-                return arr
-        arr = np.asarray(table, np.int32).reshape(-1)
-        self._table_array = (table, arr)
-        return arr
-
-    def block_table_suffix(self, start: int) -> np.ndarray:
-        """`block_table_array()[start:]`, the same object while neither changes (so a
-        packer can tell which rows changed since the last step by identity)."""
-        full, cached = self.block_table_array(), self._suffix_array
-        if cached is not None and cached[0] is full and cached[1] == start:
-            return cached[2]
-        suffix = full[start:]
-        self._suffix_array = (full, start, suffix)
-        return suffix
 
     def set_finished(self, reason: str) -> None:
         """Marks the sequence finished: reason is 'stop', 'length', 'abort' or 'error'."""

@@ -1,7 +1,8 @@
 """Data parallelism: N engine replicas on disjoint device groups behind one front.
 
 `DataParallelEngine` has the surface `LLM` and the async driver use of an `LLMEngine`
-(`make_sequence`, `add_sequence`, `abort_request`, `step`, `has_unfinished_requests`):
+(`EngineFront`'s `make_request`, `add`, `abort_request`, and `step`,
+`has_unfinished_requests`):
 it owns the request ids (one input processor makes every sequence), routes each request
 to a replica (`jprefix.core.routing.Router`: prefix affinity read from the replicas'
 tries, least loaded on ties and misses, the imbalance bound), forwards aborts to the
@@ -26,22 +27,10 @@ from jprefix.core.prefix_cache import Prefix, PrefixCacheStats
 from jprefix.core.routing import Router, TrieView
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
+from jprefix.engine.front import EngineFront
 from jprefix.engine.llm_engine import LLMEngine
-from jprefix.engine.parallel_sampling import SampleGroup, fan_out
-from jprefix.engine.stats import EngineStats
+from jprefix.engine.stats import CACHE_COUNTERS, EngineStats, summarize_stats
 from jprefix.worker.parallel import device_groups
-
-_CACHE_COUNTERS = ("num_queried_tokens", "num_hit_tokens", "num_cached_blocks",
-                   "num_evictable_blocks")
-
-
-def summarize_stats(replicas: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """The /stats body: the prefix cache's counters summed over replicas (the keys and
-    hit rate a single engine reports), `extra`, and `replicas`, one dict per replica."""
-    out: dict[str, Any] = {k: sum(r[k] for r in replicas) for k in _CACHE_COUNTERS}
-    queried = out["num_queried_tokens"]
-    out["hit_rate"] = out["num_hit_tokens"] / queried if queried else 0.0
-    return out | extra | {"replicas": replicas}
 
 
 class _StepStats:
@@ -101,12 +90,13 @@ class ReplicaPools:
 
     def stats(self) -> PrefixCacheStats:
         each = [p.stats() for p in self.pools]
-        return PrefixCacheStats(*(sum(getattr(s, k) for s in each) for k in _CACHE_COUNTERS))
+        return PrefixCacheStats(*(sum(getattr(s, k) for s in each) for k in CACHE_COUNTERS))
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineFront):
     """`args.data_parallel_size` LLMEngines, each on its own `tensor_parallel_size`
-    devices, behind one front that routes, aborts and steps them."""
+    devices, behind one front that routes, aborts and steps them (its request surface is
+    `EngineFront`'s, as a single engine's)."""
 
     def __init__(self, model: Any, args: EngineArgs, devices: list[Any] | None = None,
                  replicas: list[LLMEngine] | None = None):
@@ -143,28 +133,7 @@ class DataParallelEngine:
     def tokenizer(self):
         return self.model.tokenizer
 
-    def make_sequence(self, prompt: Any, sampling_params: Any = None,
-                      prefix_len: int | None = None, request_id: str | None = None,
-                      cache_salt: str | None = None) -> Sequence:
-        """Validates one request and builds its Sequence (its grammar compiled, if it has
-        one); the front names it."""
-        seq = self.inputs.make_sequence(prompt, sampling_params, prefix_len, request_id,
-                                        cache_salt)
-        self.structured.prepare(seq)
-        return seq
-
-    def make_request(self, prompt: Any, sampling_params: Any = None,
-                     prefix_len: int | None = None, request_id: str | None = None,
-                     cache_salt: str | None = None) -> SampleGroup:
-        """`LLMEngine.make_request`: the sequences of one request's samples, each routed
-        on its own when queued (they share the prompt's blocks where they meet)."""
-        group = fan_out(self.inputs.make_sequence(prompt, sampling_params, prefix_len,
-                                                  request_id, cache_salt))
-        for seq in group.seqs:
-            self.structured.prepare(seq)
-        return group
-
-    def add_sequence(self, seq: Sequence) -> int:
+    def _queue(self, seq: Sequence, prompt: str | None = None) -> int:
         """Routes a validated sequence to a replica and queues it there; returns the
         replica. ValueError if its request id is in flight already."""
         with self._lock:
@@ -172,18 +141,12 @@ class DataParallelEngine:
                                         self._shareable_blocks(seq), seq.cache_salt,
                                         self._loads())
         try:
-            self.replicas[replica].add_sequence(seq)
+            self.replicas[replica]._queue(seq, prompt)
         except BaseException:
             with self._lock:  # (not queued: no step would ever forget its route)
                 self.router.finish(seq.request_id)
             raise
         return replica
-
-    def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
-                    prefix_len: int | None = None, cache_salt: str | None = None) -> str:
-        seq = self.make_sequence(prompt, sampling_params, prefix_len, request_id, cache_salt)
-        self.add_sequence(seq)
-        return seq.request_id
 
     def replica_of(self, request_id: str) -> int | None:
         """The replica an unfinished request runs on (None: unknown or finished)."""
@@ -206,7 +169,8 @@ class DataParallelEngine:
             return self.router.num_in_flight > 0
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica that has work; the requests they finished."""
+        """One step of every replica that has work; their outputs (the requests they
+        finished, and DELTA / CUMULATIVE requests' progress)."""
         outputs = []
         for replica in self.replicas:
             if not replica.has_unfinished_requests():
@@ -215,7 +179,8 @@ class DataParallelEngine:
             if done:
                 with self._lock:
                     for out in done:
-                        self.router.finish(out.request_id)
+                        if out.finished:  # (a DELTA request's progress keeps its route)
+                            self.router.finish(out.request_id)
                 outputs += done
         return outputs
 
@@ -223,6 +188,15 @@ class DataParallelEngine:
     def stats(self) -> EngineStats:
         """The replicas' token, request and latency counters together (/metrics)."""
         return EngineStats.merged([r.stats for r in self.replicas])
+
+    @property
+    def scheduler(self) -> Any:
+        raise ValueError(f"data_parallel_size {len(self.replicas)}: each replica has its "
+                         "own scheduler (engine.replicas[i].scheduler)")
+
+    def summary(self) -> dict[str, Any]:
+        """/stats' body (`counters`)."""
+        return self.counters()
 
     def counters(self) -> dict[str, Any]:
         """`summarize_stats` of the replicas: each replica's engine counters, its devices
@@ -240,8 +214,7 @@ class DataParallelEngine:
         """The leading blocks the replica's scheduler will match and cache for seq."""
         if not self.args.enable_prefix_caching:
             return 0
-        n = seq.num_tokens if seq.prefix_len is None else seq.prefix_len
-        return n // self.args.block_size
+        return seq.num_shareable_blocks(self.args.block_size)
 
     def _loads(self) -> list[int]:
         """Per replica: the prompt tokens of its unfinished requests plus the output

@@ -1,4 +1,4 @@
-"""Input processing: a request's prompt and parameters become a validated Sequence.
+"""Input processing: a request's prompt and parameters become validated Sequences.
 
 Every bad input raises ValueError naming it, before anything is scheduled. The chat
 template is rendered here and nowhere else (`render_chat`: the CLI and the server).
@@ -16,6 +16,7 @@ import numpy as np
 
 from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.sequence import Sequence
+from jprefix.engine.parallel_sampling import SampleGroup, fan_out
 
 
 def check_token_ids(token_ids: Any, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -156,17 +157,18 @@ class InputProcessor:
             raise ValueError(f"model {self.model_name!r} has no tokenizer: pass token ids")
         return self.tokenizer(prompt, add_special_tokens=True).input_ids
 
-    def make_sequence(
+    def make_request(
         self,
         prompt: Any,
         sampling_params: SamplingParams | None = None,
         prefix_len: int | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> Sequence:
-        """Validates one request and builds its Sequence (nothing is scheduled yet). The
-        sequence keeps its own copy of the sampling parameters: changing the caller's
-        object afterwards does not reach a request already made."""
+    ) -> SampleGroup:
+        """Validates one request and builds the sequences that generate it (one, or one
+        per sample when it draws several: `parallel_sampling.fan_out`); nothing is
+        scheduled yet. The request keeps its own copy of the sampling parameters:
+        changing the caller's object afterwards does not reach a request already made."""
         # (replace re-runs __post_init__: copies the stop lists and validates)
         sp = dataclasses.replace(sampling_params) if sampling_params else SamplingParams()
         ids = self.tokenize(prompt)
@@ -180,5 +182,6 @@ class InputProcessor:
             request_id = f"jprefix-{next(self._ids)}"  # itertools.count: thread-safe
         # the device's sampling stream takes a 32-bit seed: larger seeds are folded
         seed = sp.seed % 2**32 if sp.seed is not None else int(self._rng.integers(2**31))
-        return Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt,
-                        seed=seed, prompt=prompt if isinstance(prompt, str) else None)
+        seq = Sequence(request_id, ids, sp, prefix_len=prefix_len, cache_salt=cache_salt,
+                       seed=seed)
+        return fan_out(seq, prompt if isinstance(prompt, str) else None)

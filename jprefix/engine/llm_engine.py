@@ -1,7 +1,7 @@
 """LLMEngine: schedule -> run -> postprocess, steppable from any loop or thread.
 
-Requests are validated and tokenized when they are made (`make_sequence`: errors raise
-before anything is scheduled) and queued; `step()` drains the queues into the scheduler,
+Requests are validated and tokenized when they are made (`make_request`: errors raise
+before anything is scheduled) and queued (`add`); `step()` drains the queues into the scheduler,
 so another thread or an event loop may add and abort requests between steps. With async
 scheduling one step is in flight while the next is scheduled and dispatched.
 """
@@ -19,16 +19,14 @@ from jprefix.core.cascade import CascadePlan, CascadePlanner
 from jprefix.core.config import SchedulerConfig
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
-from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
+from jprefix.engine.front import EngineFront
 from jprefix.engine.input_processor import InputProcessor
-from jprefix.engine.logprobs import attach_logprobs
 from jprefix.engine.output_processor import OutputProcessor
-from jprefix.engine.parallel_sampling import SampleGroup, fan_out
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
-from jprefix.engine.stats import EngineStats
+from jprefix.engine.stats import EngineStats, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker.step_handle import StepHandle
 from models.loader import LoadedModel
@@ -42,8 +40,9 @@ class _InFlight:
     t_dispatched: float
 
 
-class LLMEngine:
-    """Owns the scheduler (host) and the model runner (device)."""
+class LLMEngine(EngineFront):
+    """Owns the scheduler (host), the model runner (device) and the requests' output
+    states; its request surface is `EngineFront`'s."""
 
     def __init__(self, model: LoadedModel | str, args: EngineArgs | None = None,
                  runner: Any = None, devices: list[Any] | None = None):
@@ -94,40 +93,19 @@ class LLMEngine:
     def tokenizer(self):
         return self.model.tokenizer
 
-    def make_sequence(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                      prefix_len: int | None = None, request_id: str | None = None,
-                      cache_salt: str | None = None) -> Sequence:
-        """Validates one request and builds its Sequence (`InputProcessor.make_sequence`);
-        compiles its grammar, if it has one (`StructuredOutputManager.prepare`)."""
-        seq = self.inputs.make_sequence(prompt, sampling_params, prefix_len, request_id,
-                                        cache_salt)
-        self.structured.prepare(seq)
-        return seq
+    @property
+    def prefix_pool(self) -> PrefixPool:
+        """The prefix cache's user surface (`PrefixPool`)."""
+        return self.scheduler.prefix_pool
 
-    def make_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                     prefix_len: int | None = None, request_id: str | None = None,
-                     cache_salt: str | None = None) -> SampleGroup:
-        """Validates one request and builds the sequences that generate it: one, or one
-        per sample when it draws several (`n` > 1 or `best_of`; `parallel_sampling`)."""
-        group = fan_out(self.inputs.make_sequence(prompt, sampling_params, prefix_len,
-                                                  request_id, cache_salt))
-        for seq in group.seqs:  # each sample follows its own grammar state
-            self.structured.prepare(seq)
-        return group
+    def summary(self) -> dict[str, Any]:
+        """/stats' body: `summarize_stats` of this engine as the one replica."""
+        return summarize_stats([self.counters() | {"replica": 0}], data_parallel_size=1)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queues a validated sequence; thread-safe, takes effect at the next step."""
-        if seq.sampling_params is not None and seq.sampling_params.num_samples > 1:
-            raise ValueError(f"request {seq.request_id!r} draws "
-                             f"{seq.sampling_params.num_samples} samples: queue the "
-                             "sequences of make_request instead")
-        self._pending.append(seq)
-
-    def add_request(self, request_id: str | None, prompt: Any, sampling_params=None,
-                    prefix_len: int | None = None, cache_salt: str | None = None) -> str:
-        seq = self.make_sequence(prompt, sampling_params, prefix_len, request_id, cache_salt)
-        self.add_sequence(seq)
-        return seq.request_id
+    def _queue(self, seq: Sequence, prompt: str | None = None) -> None:
+        """Queues a validated sequence (of `make_request`); thread-safe, takes effect at
+        the next step."""
+        self._pending.append((seq, prompt))
 
     def abort_request(self, request_id: str) -> None:
         """Aborts a request at the next step; its blocks are released."""
@@ -209,8 +187,8 @@ class LLMEngine:
         finished = self.scheduler.update(done.out, tokens)
         positions = getattr(done.handle, "prompt_positions", None)
         if positions is not None:  # (an extra step: logits processing or logprobs)
-            attach_logprobs(done.out.scheduled, self.runner.fetch_logprobs(done.handle),
-                            positions)
+            self.outputs.attach_logprobs(done.out.scheduled,
+                                         self.runner.fetch_logprobs(done.handle), positions)
         for seq in self.structured.accept(done.out.scheduled, tokens):  # grammar complete
             self.scheduler.finish(seq, "stop")
             finished.append(seq)
@@ -235,11 +213,11 @@ class LLMEngine:
     def _drain_queues(self) -> list[Sequence]:
         """Moves queued requests into the scheduler; returns the sequences aborted."""
         while self._pending:
-            seq = self._pending.popleft()
+            seq, prompt = self._pending.popleft()
             self._live[seq.request_id] = seq
             self.num_requests += 1
             self.scheduler.add(seq)
-            self.outputs.add(seq)
+            self.outputs.add(seq, prompt)
             self.structured.admit(seq)
         aborted = []
         while self._aborts:
@@ -254,7 +232,7 @@ class LLMEngine:
         unfinished request plus the output tokens of the running ones: what the
         data-parallel router balances); the prefix cache's counters and hit rate; KV
         blocks used of the cache's (block 0, the null block, not counted)."""
-        unfinished = list(self._live.values()) + list(self._pending)
+        unfinished = list(self._live.values()) + [seq for seq, _ in list(self._pending)]
         running = list(self.scheduler.running.values())
         cache, blocks = self.scheduler.prefix_pool.stats(), self.scheduler.block_manager
         used, total = blocks.num_used_blocks, blocks.num_blocks - 1
@@ -269,8 +247,9 @@ class LLMEngine:
                 "kv_used_blocks": used, "kv_total_blocks": total, "kv_usage": used / total}
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
+        """The step's outputs: streamed requests' progress, then the finished ones'."""
         for seq in finished:
             self._live.pop(seq.request_id, None)
         self.structured.forget(finished)
         self.stats.record_finished(finished)
-        return self.outputs.outputs(finished)
+        return self.outputs.deltas() + self.outputs.outputs(finished)

@@ -1,7 +1,7 @@
-"""Logprobs on the host: an extra step's device logprobs attached to its sequences, and
-turned into vLLM's per-position dicts of `Logprob` when a request finishes.
+"""Logprobs on the host: an extra step's device logprobs kept per request (the output
+processor's `LogprobState`), and turned into vLLM's per-position dicts of `Logprob`.
 
-A sequence keeps one raw entry (token, logprob, rank, top ids, top logprobs) per output
+A request keeps one raw entry (token, logprob, rank, top ids, top logprobs) per output
 token and per prompt position. Entries are attached by position, so a step whose token
 was dropped (its request aborted or finished meanwhile) or a prompt position computed
 again (a preempted request recomputes its prompt) adds nothing twice.
@@ -9,34 +9,42 @@ again (a preempted request recomputes its prompt) adds nothing twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from typing import Any
 
 from jprefix.core.outputs import Logprob, PositionLogprobs
+from jprefix.core.sequence import Sequence
 
 
-def attach_logprobs(scheduled: Seq, logprobs: tuple[tuple, tuple] | None,
-                    prompt_positions: list[tuple[Any, int]] | None) -> None:
-    """Attaches a processed step's logprobs (`ModelRunner.fetch_logprobs`): row i's to
-    `scheduled[i]`'s sequence if it sampled, wants logprobs and has just appended the
-    token they are of; each prompt entry to its sequence if it is the next position."""
-    if logprobs is None:
-        return
-    (lp, rank, top_ids, top_lp), prompt = logprobs
-    for i, (seq, _, _, sample) in enumerate(scheduled):
-        k = seq.num_logprobs
-        if not sample or k is None or len(seq.output_logprobs) != seq.num_output_tokens - 1:
-            continue
-        seq.output_logprobs.append((seq.all_token_ids[-1], float(lp[i]), int(rank[i]),
-                                    top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
-        seq.cumulative_logprob += float(lp[i])
-    p_lp, p_rank, p_ids, p_top = prompt
-    for j, (seq, p) in enumerate(prompt_positions or ()):
-        if len(seq.prompt_logprobs) == p:
-            k = seq.num_prompt_logprobs
-            seq.prompt_logprobs.append((seq.prompt_token_ids[p + 1], float(p_lp[j]),
-                                        int(p_rank[j]), p_ids[j, :k].tolist(),
-                                        p_top[j, :k].tolist()))
+class LogprobState:
+    """One request's logprobs: `num_logprobs` top-k per output token (None: none; 0: the
+    sampled token's own only) and `num_prompt_logprobs` per prompt position >= 1."""
+
+    def __init__(self, num_logprobs: int | None, num_prompt_logprobs: int | None):
+        self.num_logprobs, self.num_prompt_logprobs = num_logprobs, num_prompt_logprobs
+        self.output: list[tuple] = []
+        self.prompt: list[tuple] = []
+        self.cumulative = 0.0  # the sum over output tokens
+
+    def attach_output(self, seq: Sequence, lp: float, rank: int, top_ids: Any,
+                      top_lps: Any) -> None:
+        """The entry of `seq`'s newest token, if it wants logprobs and the entry is the
+        next one (the token was appended, not dropped)."""
+        k = self.num_logprobs
+        if k is None or len(self.output) != seq.num_output_tokens - 1:
+            return
+        self.output.append((seq.all_token_ids[-1], lp, rank, top_ids[:k].tolist(),
+                            top_lps[:k].tolist()))
+        self.cumulative += lp
+
+    def attach_prompt(self, seq: Sequence, p: int, prompt: tuple, j: int) -> None:
+        """Entry j of a step's prompt logprobs (lp, rank, top ids, top logprobs arrays),
+        the logprob of prompt token p + 1, if it is the next position."""
+        if len(self.prompt) != p:
+            return
+        p_lp, p_rank, p_ids, p_top = prompt
+        k = self.num_prompt_logprobs
+        self.prompt.append((seq.prompt_token_ids[p + 1], float(p_lp[j]), int(p_rank[j]),
+                            p_ids[j, :k].tolist(), p_top[j, :k].tolist()))
 
 
 def position_dicts(entries: list[tuple], tokenizer: Any) -> list[PositionLogprobs]:

@@ -22,33 +22,46 @@ from jprefix.core.sequence import Sequence
 
 
 class SampleGroup(NamedTuple):
-    """One request: its id, sampling parameters and the sequences that generate it."""
+    """One request made (validated, not yet queued): its id, sampling parameters, the
+    sequences that generate it and its prompt text (None when given as token ids).
+    Entry points hold it as a handle: they read `request_id`, `request_ids`,
+    `sampling_params` and `prompt_token_ids`, never the sequences."""
 
     request_id: str
     sampling_params: SamplingParams
     seqs: list[Sequence]
+    prompt: str | None = None
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The ids of the sequences, in sample order (their outputs carry these)."""
+        return [seq.request_id for seq in self.seqs]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
 
 
-def fan_out(seq: Sequence) -> SampleGroup:
+def fan_out(seq: Sequence, prompt: str | None = None) -> SampleGroup:
     """The sequences that generate `seq`'s request: `seq` itself when it draws one
     sample, else `num_samples` children with ids `<request_id>-<i>` (n = 1 each)."""
     sp = seq.sampling_params
     if sp.num_samples == 1:
-        return SampleGroup(seq.request_id, sp, [seq])
+        return SampleGroup(seq.request_id, sp, [seq], prompt)
     ranked = sp.best_of is not None and sp.best_of > sp.n
     children = []
     for i in range(sp.num_samples):
+        logprobs = sp.logprobs
+        if ranked and logprobs is None:
+            logprobs = 0  # (its sampled tokens' logprobs only: `merge` ranks by them)
         child_sp = dataclasses.replace(
             sp, n=1, best_of=None, seed=None if sp.seed is None else sp.seed + i,
-            prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
-        child = Sequence(f"{seq.request_id}-{i}", seq.prompt_token_ids, child_sp,
-                         prefix_len=seq.prefix_len, cache_salt=seq.cache_salt,
-                         arrival_time=seq.arrival_time, seed=(seq.seed + i) % 2**32,
-                         prompt=seq.prompt)
-        if ranked and child.num_logprobs is None:  # (its sampled tokens' logprobs only)
-            child.num_logprobs, child.sampling_extra = 0, True
-        children.append(child)
-    return SampleGroup(seq.request_id, sp, children)
+            logprobs=logprobs, prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
+        children.append(Sequence(f"{seq.request_id}-{i}", seq.prompt_token_ids, child_sp,
+                                 prefix_len=seq.prefix_len, cache_salt=seq.cache_salt,
+                                 arrival_time=seq.arrival_time,
+                                 seed=(seq.seed + i) % 2**32))
+    return SampleGroup(seq.request_id, sp, children, prompt)
 
 
 def merge(group: SampleGroup, outs: list[RequestOutput]) -> RequestOutput:

@@ -97,3 +97,12 @@ def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
     raise ValueError(f"the model's context of {model_max} tokens does not fit in {cache}: set "
                      f"max_model_len <= {capacity}, or raise gpu_memory_utilization "
                      "(or num_kv_blocks)")
+
+
+def load_model(model: str, dtype: str = "auto", load_format: str = "auto",
+               **kwargs: Any) -> LoadedModel:
+    """`models.loader.load` after setting the XLA flags the engine runs with
+    (`jprefix.worker.xla_flags`: they must be set before jax initialises its backend,
+    which loading does); `dtype="auto"` resolved as the engine resolves it."""
+    xla_flags.apply()
+    return load(model, resolve_dtype(dtype, model), load_format, **kwargs)

@@ -11,6 +11,7 @@ import bisect
 import collections
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from jprefix.core.scheduler import SchedulerOutput
 from jprefix.core.sequence import Sequence
@@ -60,6 +61,8 @@ class EngineStats:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        # request id -> when its latest token was sampled (host clock), while it runs
+        self._last_token: dict[str, float] = {}
 
     @classmethod
     def merged(cls, parts: Iterable[EngineStats]) -> EngineStats:
@@ -95,8 +98,8 @@ class EngineStats:
             seq = sc.seq
             if seq.finish_reason == "abort":
                 continue
-            last = seq.last_token_time
-            seq.last_token_time = now
+            last = self._last_token.get(seq.request_id)
+            self._last_token[seq.request_id] = now
             tokens += 1
             if last is None:
                 self.ttft.observe(now - seq.arrival_time)
@@ -110,5 +113,19 @@ class EngineStats:
     def record_finished(self, seqs: Iterable[Sequence]) -> None:
         now = time.monotonic()
         for seq in seqs:
+            self._last_token.pop(seq.request_id, None)
             self.finished[seq.finish_reason or "abort"] += 1
             self.e2e.observe(now - seq.arrival_time)
+
+
+CACHE_COUNTERS = ("num_queried_tokens", "num_hit_tokens", "num_cached_blocks",
+                   "num_evictable_blocks")
+
+
+def summarize_stats(replicas: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The /stats body: the prefix cache's counters summed over replicas (the keys and
+    hit rate a single engine reports), `extra`, and `replicas`, one dict per replica."""
+    out: dict[str, Any] = {k: sum(r[k] for r in replicas) for k in CACHE_COUNTERS}
+    queried = out["num_queried_tokens"]
+    out["hit_rate"] = out["num_hit_tokens"] / queried if queried else 0.0
+    return out | extra | {"replicas": replicas}

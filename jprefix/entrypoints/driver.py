@@ -11,9 +11,10 @@ steps:
   exits when the engine is idle, so an idle LLM holds no thread;
 - a sync `run` that arrives while that thread steps waits for its outputs instead.
 
-Each request has a sink: an asyncio queue on its caller's event loop (after every step the
-stepper posts a streaming request's new token ids, and finally its RequestOutput), or a
-sync caller's dict, filled under a condition variable.
+Each request (one per sample) has a sink: an asyncio queue on its caller's event loop,
+which receives every RequestOutput the engine returns for it (a DELTA request's progress,
+then its last output), or a sync caller's dict of finished outputs, filled under a
+condition variable. The driver reads RequestOutputs only, never the engine's requests.
 """
 
 from __future__ import annotations
@@ -26,23 +27,20 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from jprefix.core.outputs import RequestOutput
-from jprefix.core.sequence import Sequence
-from jprefix.engine.llm_engine import LLMEngine
+from jprefix.engine.front import EngineFront
+from jprefix.engine.parallel_sampling import SampleGroup
 
 _SYNC = "sync caller"  # marks the stepping role as held by a sync `run`
 
 
 @dataclass
 class _Stream:
-    """One asyncio caller's request."""
+    """One asyncio caller's request (its samples' outputs share the queue)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    seq: Sequence
-    progress: bool  # post new token ids after each step (streaming callers only)
-    sent: int = 0  # output tokens already posted
 
-    def put(self, item: list[int] | RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -54,28 +52,20 @@ class _Batch:
     done: dict[str, RequestOutput] = field(default_factory=dict)
     error: BaseException | None = None
 
-
-@dataclass
-class _SyncSink:
-    batch: _Batch
-    seq: Sequence
-    progress: bool = False
-
     def put(self, item: RequestOutput | BaseException) -> None:
-        with self.batch.cond:
+        with self.cond:
             if isinstance(item, BaseException):
-                self.batch.error = item
-            else:
-                self.batch.done[item.request_id] = item
-            self.batch.cond.notify_all()
+                self.error = item
+            elif item.finished:
+                self.done[item.request_id] = item
+            self.cond.notify_all()
 
 
 class EngineDriver:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineFront):
         self.engine = engine
         self._lock = threading.Lock()
-        self._sinks: dict[str, _Stream | _SyncSink] = {}
-        self._streaming: dict[str, _Stream] = {}  # the sinks that take progress
+        self._sinks: dict[str, _Stream | _Batch] = {}  # by request id, until finished
         self._stepper: threading.Thread | str | None = None  # who steps now, if anyone
 
     @property
@@ -84,26 +74,28 @@ class EngineDriver:
         s = self._stepper
         return s if isinstance(s, threading.Thread) else None
 
-    def run(self, seqs: Iterable[Sequence], use_tqdm: bool = False
+    def run(self, groups: Iterable[SampleGroup], use_tqdm: bool = False
             ) -> dict[str, RequestOutput]:
-        """Queues validated sequences and blocks until each has its finished output
-        (by request id). An interrupt or a failed step aborts the ones not finished."""
-        seqs = list(seqs)
+        """Queues requests made by the engine's `make_request` and blocks until each of
+        their samples has its finished output (by request id). An interrupt or a failed
+        step aborts the ones not finished."""
+        groups = list(groups)
+        ids = [rid for g in groups for rid in g.request_ids]
         batch = _Batch(threading.Condition())
         with self._lock:
-            self._add(seqs, lambda seq: _SyncSink(batch, seq))
+            self._add(groups, batch)
             lead = self._stepper is None
             if lead:
                 self._stepper = _SYNC
         try:
-            with tqdm(total=len(seqs), disable=not use_tqdm, desc="Processed prompts") as bar:
-                while len(batch.done) < len(seqs) and batch.error is None:
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts") as bar:
+                while len(batch.done) < len(ids) and batch.error is None:
                     if lead:
                         self._step()
                     else:
                         with batch.cond:
                             batch.cond.wait_for(
-                                lambda: len(batch.done) == len(seqs) or batch.error is not None,
+                                lambda: len(batch.done) == len(ids) or batch.error is not None,
                                 timeout=0.5)
                         with self._lock:  # the thread ended without our outputs: step here
                             if self._stepper is None:
@@ -111,9 +103,7 @@ class EngineDriver:
                     bar.update(len(batch.done) - bar.n)
         finally:
             with self._lock:
-                for seq in seqs:  # still registered: not finished (interrupt or error)
-                    if self._pop(seq.request_id) is not None:
-                        self.engine.abort_request(seq.request_id)
+                self._abort_unfinished(ids)
                 if lead:
                     self._stepper = None
                     if self.engine.has_unfinished_requests():
@@ -122,52 +112,55 @@ class EngineDriver:
             raise batch.error
         return batch.done
 
-    async def submit(self, seq: Sequence) -> RequestOutput:
-        """Queues a validated sequence and waits for its finished output."""
-        async for item in self.stream(seq, progress=False):
-            return item
-        raise RuntimeError(f"request {seq.request_id!r} ended without an output")
-
-    async def stream(self, seq: Sequence, progress: bool = True
-                     ) -> AsyncIterator[list[int] | RequestOutput]:
-        """Yields lists of new token ids as steps produce them (if `progress`), then the
-        RequestOutput. Leaving the iteration early (or cancelling) aborts the request."""
-        state = _Stream(asyncio.get_running_loop(), asyncio.Queue(), seq, progress)
+    async def stream(self, group: SampleGroup) -> AsyncIterator[RequestOutput]:
+        """Yields every RequestOutput of the request's samples as steps produce them
+        (their `request_id`s are `group.request_ids`), until each sample's finished one.
+        Leaving the iteration early (or cancelling) aborts every sample."""
+        state = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        ids = group.request_ids
         with self._lock:
-            self._add([seq], lambda _: state)
+            self._add([group], state)
             if self._stepper is None:
                 self._start_thread()
-        finished = False
+        left = len(ids)
         try:
-            while True:
+            while left:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                left -= item.finished
                 yield item
-                if isinstance(item, RequestOutput):
-                    finished = True
-                    return
         finally:
-            if not finished:
+            if left:
                 with self._lock:
-                    self._pop(seq.request_id)
-                self.engine.abort_request(seq.request_id)
+                    self._abort_unfinished(ids)
 
-    def _add(self, seqs: list[Sequence], sink) -> None:
-        """Registers each sequence's sink, then adds it to the engine (caller holds the
+    async def submit(self, group: SampleGroup) -> list[RequestOutput]:
+        """Queues a request and waits for its samples' finished outputs (sample order)."""
+        done = {}
+        async for out in self.stream(group):
+            if out.finished:
+                done[out.request_id] = out
+        return [done[rid] for rid in group.request_ids]
+
+    def _add(self, groups: list[SampleGroup], sink: _Stream | _Batch) -> None:
+        """Registers each sample's sink, then queues the requests (the caller holds the
         lock, so no step runs in between)."""
-        for seq in seqs:
-            if seq.request_id in self._sinks:
-                raise ValueError(f"request_id {seq.request_id!r} is already in flight")
-        for seq in seqs:
-            self._sinks[seq.request_id] = s = sink(seq)
-            if s.progress:
-                self._streaming[seq.request_id] = s
-            self.engine.add_sequence(seq)
+        for group in groups:
+            for rid in group.request_ids:
+                if rid in self._sinks:
+                    raise ValueError(f"request_id {rid!r} is already in flight")
+        for group in groups:
+            for rid in group.request_ids:
+                self._sinks[rid] = sink
+            self.engine.add(group)
 
-    def _pop(self, request_id: str) -> _Stream | _SyncSink | None:
-        self._streaming.pop(request_id, None)
-        return self._sinks.pop(request_id, None)
+    def _abort_unfinished(self, ids: list[str]) -> None:
+        """Aborts the requests among `ids` still registered (not finished); caller holds
+        the lock."""
+        for rid in ids:
+            if self._sinks.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
 
     def _start_thread(self) -> None:
         thread = threading.Thread(target=self._run_thread, name="jprefix-engine", daemon=True)
@@ -189,36 +182,28 @@ class EngineDriver:
             raise
 
     def _step(self) -> None:
-        """One engine step; its outputs and progress go to their callers' sinks, and a
-        failed step's error to every caller (a device failure never kills the stepper)."""
+        """One engine step; its outputs go to their callers' sinks (a finished output
+        unregisters its request), and a failed step's error to every caller (a device
+        failure never kills the stepper)."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
             self._fail_all(exc)
             return
-        self._post_progress()
-        for out in outputs:
-            with self._lock:
-                sink = self._pop(out.request_id)
+        if not outputs:
+            return
+        with self._lock:
+            sinks = self._sinks
+            routed = [(sinks.pop(out.request_id, None) if out.finished
+                       else sinks.get(out.request_id), out) for out in outputs]
+        for sink, out in routed:
             if sink is not None:
                 sink.put(out)
 
-    def _post_progress(self) -> None:
-        if not self._streaming:
-            return
-        with self._lock:
-            streams = list(self._streaming.values())
-        for s in streams:
-            n = s.seq.num_output_tokens
-            if n > s.sent:
-                start = s.seq.num_prompt_tokens
-                s.put(s.seq.all_token_ids[start + s.sent : start + n])  # only the new ids
-                s.sent = n
-
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            sinks, self._sinks, self._streaming = self._sinks, {}, {}
+            sinks, self._sinks = self._sinks, {}
             for rid in sinks:
                 self.engine.abort_request(rid)
-        for s in sinks.values():
-            s.put(exc)
+        for sink in {id(s): s for s in sinks.values()}.values():  # (each caller once)
+            sink.put(exc)

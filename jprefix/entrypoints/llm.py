@@ -7,16 +7,15 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jprefix.core.outputs import RequestOutput
+from jprefix.core.outputs import RequestOutput, RequestOutputKind
 from jprefix.core.sampling_params import SamplingParams
-from jprefix.core.sequence import Sequence
-from jprefix.engine.args import EngineArgs, resolve_dtype
-from jprefix.engine.dp_engine import DataParallelEngine, summarize_stats
+from jprefix.engine.args import EngineArgs
+from jprefix.engine.dp_engine import DataParallelEngine
 from jprefix.engine.input_processor import as_prompt_list, broadcast, render_chat
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.engine.parallel_sampling import SampleGroup, merge
+from jprefix.engine.runner_setup import load_model
 from jprefix.entrypoints.driver import EngineDriver
-from jprefix.worker import xla_flags
 from models import loader
 from models.loader import LoadedModel
 
@@ -28,12 +27,11 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)} - {
 def load(model: str = loader.DEFAULT_MODEL, dtype: str = "auto", load_format: str = "auto",
          **kwargs: Any) -> LoadedModel:
     """`models.loader.load` (a preset name, an HF directory, a .gguf file or a hub id),
-    after setting the XLA flags the engine runs with (`jprefix.worker.xla_flags`: they
-    must be set before jax initialises its backend, which loading does). `dtype="auto"`:
-    float32 on the CPU, the checkpoint's dtype or bfloat16 on an accelerator
-    (`engine.args.resolve_dtype`, which the engine uses too)."""
-    xla_flags.apply()
-    return loader.load(model, resolve_dtype(dtype, model), load_format, **kwargs)
+    after setting the XLA flags the engine runs with (they must be set before jax
+    initialises its backend, which loading does). `dtype="auto"`: float32 on the CPU, the
+    checkpoint's dtype or bfloat16 on an accelerator (`engine.args.resolve_dtype`, which
+    the engine uses too)."""
+    return load_model(model, dtype, load_format, **kwargs)
 
 
 class LLM:
@@ -72,27 +70,20 @@ class LLM:
 
     @property
     def scheduler(self):
-        if isinstance(self.engine, DataParallelEngine):
-            raise ValueError(f"data_parallel_size {len(self.engine.replicas)}: each replica "
-                             "has its own scheduler (llm.engine.replicas[i].scheduler)")
+        """The engine's scheduler (ValueError with data parallelism: one per replica)."""
         return self.engine.scheduler
 
     @property
     def prefix_pool(self):
         """The prefix cache's user surface (over every replica's with data parallelism)."""
-        if isinstance(self.engine, DataParallelEngine):
-            return self.engine.prefix_pool
-        return self.engine.scheduler.prefix_pool
+        return self.engine.prefix_pool
 
     def stats(self) -> dict[str, Any]:
         """Counters for /stats: the prefix cache's (summed over replicas: queried and hit
         tokens, hit rate, cached and evictable blocks), `data_parallel_size`, and
         `replicas`, one dict per replica (requests, running, waiting, queued tokens, its
-        hit rate, KV blocks used and usage; `LLMEngine.stats`)."""
-        if isinstance(self.engine, DataParallelEngine):
-            return self.engine.counters()
-        return summarize_stats([self.engine.counters() | {"replica": 0}],
-                               data_parallel_size=1)
+        hit rate, KV blocks used and usage; `LLMEngine.counters`)."""
+        return self.engine.summary()
 
     def generate(
         self,
@@ -114,11 +105,11 @@ class LLM:
         prefixes = broadcast(prefix_pos, len(prompts), "prefix_pos")
         salts = broadcast(cache_salt, len(prompts), "cache_salt")
         groups = [
-            self.engine.make_request(p, sp, pl, cache_salt=salt)
+            self.engine.make_request(p, _kind(sp, _FINAL), pl, cache_salt=salt)
             for p, sp, pl, salt in zip(prompts, params, prefixes, salts, strict=True)
         ]
-        done = self._driver.run([s for g in groups for s in g.seqs], use_tqdm)
-        return [merge(g, [done[s.request_id] for s in g.seqs]) for g in groups]
+        done = self._driver.run(groups, use_tqdm)
+        return [merge(g, [done[rid] for rid in g.request_ids]) for g in groups]
 
     def chat(
         self,
@@ -149,38 +140,32 @@ class LLM:
         abort it. Requests with different `cache_salt`s never share cached blocks. The
         prompt is tokenised in a worker thread, so a long one does not stall the event
         loop."""
-        group = await self.make_request_async(prompt, sampling_params, prefix_pos, request_id,
-                                              cache_salt)
+        group = await self.make_request_async(prompt, _kind(sampling_params, _FINAL),
+                                              prefix_pos, request_id, cache_salt)
         return await self.generate_group(group)
 
     async def make_request_async(self, prompt: Any, sampling_params: SamplingParams | None = None,
                                  prefix_pos: int | None = None, request_id: str | None = None,
                                  cache_salt: str | None = None) -> SampleGroup:
-        """`make_sequence_async` for a request of any `n`: the sequences of its samples
-        (`LLMEngine.make_request`), validated and tokenised in a worker thread."""
+        """Validates and tokenises one request (ValueError naming a bad value) in a worker
+        thread, and returns its handle (`engine.make_request`); nothing is scheduled until
+        `generate_group` or `stream_group`. Its `sampling_params.output_kind` says what
+        `stream_group` yields (DELTA: the new text and tokens of each step)."""
         return await asyncio.to_thread(self.engine.make_request, prompt, sampling_params,
                                        prefix_pos, request_id, cache_salt)
 
     async def generate_group(self, group: SampleGroup) -> RequestOutput:
-        """Runs a request's sample sequences to one merged output; cancelling aborts all."""
-        outs = await asyncio.gather(*(self._driver.submit(s) for s in group.seqs))
-        return merge(group, list(outs))
+        """Runs a request to one merged output of its samples; cancelling aborts all."""
+        if group.sampling_params.output_kind is not _FINAL:
+            raise ValueError(f"request {group.request_id!r} streams its outputs "
+                             f"({group.sampling_params.output_kind.name}): use stream_group")
+        return merge(group, await self._driver.submit(group))
 
-    async def make_sequence_async(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                                  prefix_pos: int | None = None, request_id: str | None = None,
-                                  cache_salt: str | None = None) -> Sequence:
-        """Validates and tokenises one request (ValueError naming a bad value) in a worker
-        thread; nothing is scheduled until `generate_sequence` or `stream_sequence`."""
-        return await asyncio.to_thread(self.engine.make_sequence, prompt, sampling_params,
-                                       prefix_pos, request_id, cache_salt)
-
-    async def generate_sequence(self, seq: Sequence) -> RequestOutput:
-        """Runs a validated sequence to its finished output; cancelling aborts it."""
-        return await self._driver.submit(seq)
-
-    def stream_sequence(self, seq: Sequence) -> AsyncIterator[list[int] | RequestOutput]:
-        """`stream_async` for a sequence already validated (`make_sequence_async`)."""
-        return self._driver.stream(seq)
+    def stream_group(self, group: SampleGroup) -> AsyncIterator[RequestOutput]:
+        """Every RequestOutput of a request's samples as steps produce them (each
+        `request_id` is one of `group.request_ids`), ending with each one's finished
+        output. Leaving the loop early aborts the request and frees its blocks."""
+        return self._driver.stream(group)
 
     def stream_async(
         self,
@@ -189,17 +174,17 @@ class LLM:
         prefix_pos: int | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[list[int] | RequestOutput]:
-        """Validates the request now (ValueError), then returns an async iterator over the
-        new token ids of each step, ending with the finished RequestOutput. Leaving the
-        loop early aborts the request and frees its blocks."""
-        seq = self.engine.make_sequence(prompt, sampling_params, prefix_pos, request_id,
-                                        cache_salt)
-        if seq.sampling_params.num_samples > 1:
-            raise ValueError(f"stream_async streams one sample; n={seq.sampling_params.n}, "
-                             f"best_of={seq.sampling_params.best_of}: use generate_async, or "
-                             "stream_sequence on each of make_request_async's sequences")
-        return self._driver.stream(seq)
+    ) -> AsyncIterator[RequestOutput]:
+        """Validates the request now (ValueError), then returns an async iterator over its
+        outputs: with the default `output_kind` a DELTA output per step (the new text,
+        token ids and logprobs; they concatenate to the final output, whose
+        `finish_reason` is set), or as `sampling_params.output_kind` asks. With n > 1
+        the samples' outputs interleave, told apart by `request_id` (`<id>-<i>`)."""
+        sp = sampling_params or SamplingParams()
+        if sp.output_kind is _FINAL:
+            sp = _kind(sp, RequestOutputKind.DELTA)
+        return self._driver.stream(self.engine.make_request(prompt, sp, prefix_pos, request_id,
+                                                            cache_salt))
 
     def warmup(self, prefixes: list[Any], pin: bool = False) -> list[Any]:
         """Computes each prefix once so later requests hit the cache; returns the Prefix
@@ -216,6 +201,15 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Drops every unreferenced cached block; False while blocks are in use."""
         return self.prefix_pool.reset()
+
+
+_FINAL = RequestOutputKind.FINAL_ONLY
+
+
+def _kind(sp: SamplingParams | None, kind: RequestOutputKind) -> SamplingParams:
+    """`sp` (default: SamplingParams()) with output_kind `kind`."""
+    sp = sp or SamplingParams()
+    return sp if sp.output_kind is kind else dataclasses.replace(sp, output_kind=kind)
 
 
 def generate(

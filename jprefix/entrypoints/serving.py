@@ -1,7 +1,9 @@
 """One completion or chat request served: validated off the event loop, run, answered as one
 JSON body or as server-sent events; a client that leaves aborts its request. A request of
-n > 1 samples runs them as one group (`LLM.generate_group`); streamed, their chunks
-interleave, each choice with its `index`."""
+n > 1 samples runs them as one group (`LLM.generate_group`); streamed, the engine's DELTA
+outputs of its samples interleave, each choice with its `index`. The text, stop strings
+and logprobs come from the engine's outputs: nothing is detokenised here but an echoed
+prompt given as token ids."""
 
 from __future__ import annotations
 
@@ -17,11 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jprefix.core.outputs import RequestOutput
-from jprefix.core.sequence import Sequence
-from jprefix.engine.detokenizer import IncrementalDetokenizer
+from jprefix.core.outputs import RequestOutput, RequestOutputKind
 from jprefix.engine.input_processor import render_chat
-from jprefix.engine.logprobs import position_dicts
 from jprefix.engine.parallel_sampling import SampleGroup
 from jprefix.entrypoints.guided import FIELDS, grammar_error, structured_params
 from jprefix.entrypoints.llm import LLM
@@ -34,40 +33,6 @@ from jprefix.entrypoints.serving_format import (
 
 # vLLM's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_MAX_TOKENS = 16
-
-
-class TextStream:
-    """Token ids in, text deltas out; the deltas concatenate to the request's final text.
-
-    Text is sent only where it is certain to be in the final text: before the first stop
-    string found, and short of the last `len(longest stop) - 1` characters (a stop string
-    starting there may still complete)."""
-
-    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0):
-        self.detokenizer, self.sent, self.stop = IncrementalDetokenizer(tokenizer), "", stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.cut: int | None = None  # where the first stop string starts, once seen
-        self.min_tokens, self.num_tokens = min_tokens, 0  # stops count from min_tokens on
-
-    def push(self, ids: list[int]) -> str:
-        self.detokenizer.push(ids)
-        self.num_tokens += len(ids)
-        text = self.detokenizer.text
-        if self.cut is None and self.stop and self.num_tokens >= self.min_tokens:
-            since = max(0, len(self.sent) - self.hold)
-            hits = [i for i in (text.find(s, since) for s in self.stop) if i >= 0]
-            self.cut = min(hits) if hits else None
-        end = max(0, len(text) - self.hold) if self.cut is None else self.cut
-        return self._emit(text[:end])
-
-    def finish(self, final_text: str) -> str:
-        return self._emit(final_text)
-
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -93,8 +58,9 @@ async def serve_request(llm: LLM, name: str, req: CompletionRequest | ChatReques
         default = max(1, llm.engine.max_model_len - len(prompt))
     sp = req.sampling_params(default)
     grammar, field = structured_params({k: getattr(req, k) for k in FIELDS})
-    if grammar is not None:
-        sp = dataclasses.replace(sp, structured_outputs=grammar)
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    sp = dataclasses.replace(sp, structured_outputs=grammar or sp.structured_outputs,
+                             output_kind=kind)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         group = await llm.make_request_async(prompt, sp, req.prefix_pos, rid, req.cache_salt)
@@ -102,7 +68,7 @@ async def serve_request(llm: LLM, name: str, req: CompletionRequest | ChatReques
         raise grammar_error(exc, field) if field is not None else exc from None
     echo = None
     if not chat and req.echo:  # the prompt's text, before each sample's
-        echo = prompt if isinstance(prompt, str) else _decode(llm, group.seqs[0].prompt_token_ids)
+        echo = prompt if isinstance(prompt, str) else _decode(llm, group.prompt_token_ids)
     if req.stream:  # validated by now, before the stream's 200 is sent
         events = _stream_events(llm, name, group, chat, req.include_usage, echo)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -147,65 +113,31 @@ async def _disconnected(request: Request) -> None:
 
 
 class _Choice:
-    """One sample's stream: its text (stop strings held back, `TextStream`) and its
-    logprobs, read from the sequence as its tokens arrive (attached before they are
-    posted), or from the final output for the rest."""
+    """One sample's stream: where its completion logprobs' text offsets are."""
 
-    def __init__(self, llm: LLM, seq: Sequence, chat: bool, k: int | None, offset: int):
-        self.llm, self.seq, self.chat, self.k = llm, seq, chat, k
-        self.text = TextStream(llm.tokenizer, seq.sampling_params.stop,
-                               seq.sampling_params.min_tokens)
-        self.sent_ids: list[int] = []
-        self.offset = offset  # completions' text_offset of the next token
+    def __init__(self, chat: bool, k: int | None, offset: int):
+        self.chat, self.k, self.offset = chat, k, offset
 
-    def logprobs(self, ids: list[int], positions: list | None = None) -> Any:
-        if self.k is None or not ids:
+    def logprobs(self, out: RequestOutput) -> Any:
+        """A delta's logprobs in the endpoint's format (None when not asked for)."""
+        if self.k is None or not out.token_ids or out.logprobs is None:
             return None
-        if positions is None:
-            start = len(self.sent_ids)
-            positions = position_dicts(self.seq.output_logprobs[start : start + len(ids)],
-                                       self.llm.tokenizer)
-        self.sent_ids += ids
         if self.chat:
-            return chat_logprobs(positions, ids, self.k)
-        out = completion_logprobs(positions, ids, self.offset)
-        self.offset += sum(len(t) for t in out["tokens"])
-        return out
-
-
-async def _merged(llm: LLM, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Any]]:
-    """(sample index, item) of every sample's stream as they come; closing it (the client
-    left) cancels every stream, which aborts its request."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, seq: Sequence) -> None:
-        try:
-            async for item in llm.stream_sequence(seq):
-                queue.put_nowait((i, item))
-        except Exception as exc:  # (reaches the client's stream, as a single sample's)
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, seq)) for i, seq in enumerate(seqs)]
-    try:
-        for _ in range(len(seqs)):
-            while True:
-                i, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield i, item
-                if isinstance(item, RequestOutput):
-                    break
-    finally:
-        for task in tasks:
-            task.cancel()
+            return chat_logprobs(out.logprobs, out.token_ids, self.k)
+        body = completion_logprobs(out.logprobs, out.token_ids, self.offset)
+        self.offset += sum(len(t) for t in body["tokens"])
+        return body
 
 
 async def _stream_events(llm: LLM, name: str, group: SampleGroup, chat: bool,
                          include_usage: bool, echo: str | None) -> AsyncIterator[str]:
+    """The stream of a DELTA request: each engine delta is one chunk of its sample's
+    choice (text, logprobs, and on the last its finish reason)."""
     head = {"id": group.request_id, "object": "chat.completion.chunk" if chat else
             "text_completion", "created": int(time.time()), "model": name}
-    k = group.sampling_params.logprobs
-    choices = [_Choice(llm, seq, chat, k, len(echo or "")) for seq in group.seqs]
+    index = {rid: i for i, rid in enumerate(group.request_ids)}
+    choices = [_Choice(chat, group.sampling_params.logprobs, len(echo or ""))
+               for _ in index]
 
     def chunk(i: int, delta: str, finish: str | None = None, first: bool = False,
               logprobs: Any = None) -> str:
@@ -218,25 +150,18 @@ async def _stream_events(llm: LLM, name: str, group: SampleGroup, chat: bool,
 
     for i in range(len(choices)):
         yield chunk(i, echo or "", first=True)
-    finals: dict[int, RequestOutput] = {}
-    async for i, item in _merged(llm, group.seqs):
-        c = choices[i]
-        if isinstance(item, RequestOutput):
-            rest = item.token_ids[len(c.sent_ids):]
-            positions = None if item.logprobs is None else item.logprobs[len(c.sent_ids):]
-            yield chunk(i, c.text.finish(item.text), item.finish_reason,
-                        logprobs=c.logprobs(rest, positions))
-            finals[i] = item
-        else:
-            delta = c.text.push(item)
-            logprobs = c.logprobs(item)
-            if delta or logprobs is not None:
-                yield chunk(i, delta, logprobs=logprobs)
+    completion, cached = 0, 0
+    async for out in llm.stream_group(group):
+        i = index[out.request_id]
+        completion += len(out.token_ids)
+        cached = out.num_cached_tokens if i == 0 else cached
+        logprobs = choices[i].logprobs(out)
+        if out.text or logprobs is not None or out.finished:
+            yield chunk(i, out.text, out.finish_reason, logprobs=logprobs)
     if include_usage:
-        prompt = len(finals[0].prompt_token_ids)
-        completion = sum(len(o.token_ids) for o in finals.values())
+        prompt = len(group.prompt_token_ids)
         yield _sse(head | {"choices": [], "usage": {
             "prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": finals[0].num_cached_tokens}}})
+            "prompt_tokens_details": {"cached_tokens": cached}}})
     yield _sse("[DONE]")

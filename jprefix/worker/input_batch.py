@@ -23,6 +23,7 @@ from jprefix.worker.flat_batch import PackedStep, pack_flat
 from jprefix.worker.pack import BucketConfig, PackCache, pack_cascade, pack_step
 from jprefix.worker.pack_sampling import pack_sampling
 from jprefix.worker.repack import DecodeStep, remember_decode, repack_decode
+from jprefix.worker.request_rows import RequestRows
 
 
 class StepKind(NamedTuple):
@@ -104,19 +105,20 @@ class StepPacker:
         batch = pack_step(rows, self.block_size, self.buckets, cache, self.pending_rows)
         positions: list[tuple[Any, int]] = []
         if extra:
-            arrays, positions = pack_sampling(rows, len(batch["kv_lens"]), batch["cu_q_lens"],
-                                              self.penalty_entries)
+            arrays, positions = pack_sampling(
+                rows, len(batch["kv_lens"]), batch["cu_q_lens"],
+                cache.rows if cache is not None else RequestRows(), self.penalty_entries)
             self.penalty_entries = len(arrays["pen_ids"])  # (never shrinks: no recompile)
             batch |= arrays
         if plan is not None:
             batch |= pack_cascade(rows, plan, self.block_size, len(batch["kv_lens"]),
-                                  self.buckets.min_blocks,
-                                  None if cache is None else cache.suffix_tables)
+                                  self.buckets.min_blocks, cache)
         if num_decode:
             batch["num_decode"] = np.array([num_decode], np.int32)
         packed = pack_flat(batch)
         if cache is not None:  # (an extra step's arrays change every step: never repacked)
             self.decode = None if extra else remember_decode(cache, rows, plan, packed)
+            cache.rows.retain([sc.seq for sc in rows])
         return packed, positions
 
 

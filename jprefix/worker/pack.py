@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jprefix.core.cascade import CascadePlan
+from jprefix.worker.request_rows import RequestRows
 
 
 def bucket(n: int, minimum: int, step: int | None = None) -> int:
@@ -54,11 +55,12 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
     sequences in the same order, as in steady decoding) reuse its tables and constants.
     """
     n = len(scheduled)
+    rows = cache.rows if cache is not None else RequestRows()
     # The rows' columns by C-level transposition (ScheduledSeq is a tuple), one Python pass
     # for the known token ids; the rest is whole-array numpy.
     seqs, start_list, q_list, _ = (map(list, zip(*scheduled, strict=True)) if n
                                    else tuple([] for _ in range(4)))
-    tables = [seq.block_table_array() for seq in seqs]
+    tables = [rows.table(seq) for seq in seqs]
     ids: list[int] = []
     pending: list[tuple[int, int]] = []  # (flat token index, source row)
     for seq, start, q in zip(seqs, start_list, q_list, strict=True):
@@ -189,17 +191,19 @@ def scatter_runs(out: np.ndarray, rows: np.ndarray, cols: Any, lens: np.ndarray,
 
 class PackCache:
     """What consecutive steps' packing can reuse (the packer keeps one): the block-table
-    matrices (`RowsCache`, the step's and the cascade's suffix tables) and the per-row
-    sampling constants of the last step's sequence list."""
+    matrices (`RowsCache`, the step's and the cascade's suffix tables), the per-request
+    arrays (`RequestRows`) and the per-row sampling constants of the last step's
+    sequence list."""
 
     def __init__(self):
         self.tables, self.suffix_tables = RowsCache(), RowsCache()
+        self.rows = RequestRows()  # per request: its table's array, penalty arrays
         self.seqs: list = []
         self.constants: np.ndarray | None = None
 
 
 def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bucket: int,
-                 min_blocks_bucket: int, cache: RowsCache | None = None
+                 min_blocks_bucket: int, cache: PackCache | None = None
                  ) -> dict[str, np.ndarray]:
     """The cascade arrays for `scheduled`, already in `plan.order`: the groups' prefix
     block tables [G, Mp], lengths [G] and query-row ranges [G+1]; each sequence's suffix
@@ -216,10 +220,11 @@ def pack_cascade(scheduled: Seq, plan: CascadePlan, block_size: int, num_seqs_bu
         p = plan.prefix_blocks[first]
         prefix_tables[g, :p] = scheduled[first].seq.block_table[:p]
         prefix_lens[g] = p * block_size
-    rows = [(sc.seq.block_table_suffix(p), sc.start + 1 - p * block_size)
+    arrays = cache.rows if cache is not None else RequestRows()
+    rows = [(arrays.suffix(sc.seq, p), sc.start + 1 - p * block_size)
             for sc, p in zip(scheduled, plan.prefix_blocks, strict=True)]
     suffix_tables = ragged_rows([r[0] for r in rows], num_seqs_bucket, min_blocks_bucket,
-                                cache)
+                                None if cache is None else cache.suffix_tables)
     suffix_lens = np.zeros(num_seqs_bucket, np.int32)
     suffix_lens[: len(rows)] = [r[1] for r in rows]
     return dict(prefix_block_tables=prefix_tables, prefix_kv_lens=prefix_lens,

@@ -6,8 +6,9 @@ Penalty entries are token ids only, one int32 each, laid out row by row: a penal
 row's known output tokens (repeats kept: the device counts them; the row's newest token
 may be pending: the device counts it), then, when its repetition penalty is on, its
 prompt's distinct tokens; `pen_bounds` says where each row's two segments start and end.
-Both per-row arrays are kept on the sequence (the prompt's once, the output's extended
-in place by its new tokens only), so a step joins them with one concatenate. Logit-bias
+Both per-row arrays are kept by the packer per request (`RequestRows`: the prompt's
+once, the output's extended in place by its new tokens only), so a step joins them with
+one concatenate. Logit-bias
 entries are their own (row, token, bias) triples. Entry counts are rounded up to powers
 of two (at most twice the entries), and the penalty entries never below `min_entries`,
 the most a step of this packer has sent (`StepPacker` keeps it): the variant compiles
@@ -24,35 +25,9 @@ from typing import Any
 import numpy as np
 
 from jprefix.worker.pack import bucket
+from jprefix.worker.request_rows import RequestRows
 
 _MIN_ENTRIES = 16
-
-
-def _prompt_tokens(seq: Any) -> np.ndarray:
-    """The distinct prompt tokens of `seq` (computed once, kept on the sequence)."""
-    cached = getattr(seq, "_distinct_prompt", None)
-    if cached is None:
-        cached = seq._distinct_prompt = np.unique(np.asarray(seq.prompt_token_ids, np.int32))
-    return cached
-
-
-def _output_tokens(seq: Any) -> np.ndarray:
-    """`seq`'s known output tokens as int32: a view of a buffer kept on the sequence,
-    (buffer, tokens written), that takes only the tokens appended since the last call
-    (output tokens are only ever appended) and doubles when full. A view's tokens never
-    change: later calls write past them, or into a new buffer."""
-    num, start = seq.num_output_tokens, seq.num_prompt_tokens
-    buf, done = getattr(seq, "_output_buffer", None) or (None, 0)
-    if buf is None or done > num:
-        buf, done = np.empty(max(2 * num, _MIN_ENTRIES), np.int32), 0
-    elif num > len(buf):
-        grown = np.empty(2 * num, np.int32)
-        grown[:done] = buf[:done]
-        buf = grown
-    if done < num:
-        buf[done:num] = seq.all_token_ids[start + done:start + num]
-        seq._output_buffer = (buf, num)
-    return buf[:num]
 
 
 def _padded(values: list, dtype: Any, size: int, fill: int = 0) -> np.ndarray:
@@ -62,11 +37,12 @@ def _padded(values: list, dtype: Any, size: int, fill: int = 0) -> np.ndarray:
     return out
 
 
-def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray,
+def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray, arrays: RequestRows,
                   min_entries: int = _MIN_ENTRIES
                   ) -> tuple[dict[str, np.ndarray], list[tuple[Any, int]]]:
     """The extra arrays for `rows` (ScheduledSeq, in device order) of a step with
-    `num_rows` (S) row slots and query offsets `cu_q_lens` [S+1]; and, per `plp_idx` entry,
+    `num_rows` (S) row slots and query offsets `cu_q_lens` [S+1] (`arrays`: the packer's
+    per-request token arrays); and, per `plp_idx` entry,
     (sequence, prompt position p): the entry's logprobs are of prompt token p + 1.
     `pen_ids` has at least `min_entries` entries."""
     # per row: presence, frequency, repetition, min_p (off: 0, 0, 1, 0)
@@ -104,11 +80,11 @@ def pack_sampling(rows: Seq, num_rows: int, cu_q_lens: np.ndarray,
             bias_ids += bias
             bias_vals += bias.values()
         if presence or frequency or repetition != 1:
-            output = _output_tokens(seq)
+            output = arrays.output_tokens(seq)
             segments.append(output)
             lengths[2 * i] = len(output)
             if repetition != 1:
-                distinct = _prompt_tokens(seq)
+                distinct = arrays.distinct_prompt(seq)
                 segments.append(distinct)
                 lengths[2 * i + 1] = len(distinct)
     if param_rows:

@@ -49,7 +49,7 @@ def remember_decode(cache: PackCache, scheduled: Seq, plan: Any, packed: PackedS
 def _changed_tables(seqs: tuple, last: DecodeStep) -> tuple[list[int], list, np.ndarray]:
     """The rows whose block table changed since `last` was packed, every row's table
     list and its length, by C-level passes: a table list only grows until it is replaced
-    (see `Sequence.block_table_array`), so a row changed iff its list is another object
+    (see `RequestRows.table`), so a row changed iff its list is another object
     or has another length (another object with the same blocks counts as unchanged:
     its row is the same)."""
     lists = list(map(attrgetter("block_table"), seqs))

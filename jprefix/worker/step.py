@@ -44,6 +44,7 @@ from models.llama import (
     dense_linear,
     forward,
 )
+from pallas_kernels import backend as kernel_backend
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import (
@@ -108,6 +109,9 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
         x2 = x.reshape(-1, x.shape[-1])
         tiling = (fp8_tiling(*x2.shape, n, act) if fp8 else
                   skinny_tiling(*x2.shape, n, act, min_programs=min_programs))
+        if fp8 and act is None and (out := kernel_backend.fp8_matmul_mosaic(
+                x2, w.w8, w.scale, quantize_activations)) is not None:
+            return out.reshape(*x.shape[:-1], n)  # (where the backend table says Mosaic GPU)
         if tiling is None or (not fp8 and x.dtype != w.dtype):
             return dense_linear(x, w, act)
         if fp8:  # the activations quantised per row as fp8_matmul does, fp8 x fp8 dot

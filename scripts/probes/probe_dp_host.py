@@ -46,10 +46,10 @@ def front_step_ms(n: int, seqs: int, prefix: int, unique: int, steps: int) -> di
     groups = [rng.integers(10, 32000, prefix).tolist() for _ in range(n)]
     route_us = []
     for i in range(seqs * n):
-        seq = front.make_sequence(groups[i % n] + rng.integers(10, 32000, unique).tolist(),
-                                  sp, prefix)
+        group = front.make_request(groups[i % n] + rng.integers(10, 32000, unique).tolist(),
+                                   sp, prefix)
         t = time.perf_counter()
-        front.add_sequence(seq)
+        front.add(group)
         route_us.append((time.perf_counter() - t) * 1e6)
     while any(len(r.scheduler.running) < seqs or
               any(s.num_output_tokens == 0 for s in r.scheduler.running.values())

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     for run in ("warm", "profiled"):
         llm.reset_prefix_cache()
         for p in prompts:
-            engine.add_sequence(engine.make_sequence(p, sp, args.prefix_len))
+            engine.add_request(None, p, sp, args.prefix_len)
         for _ in range(10_000):  # prefill and the first decode steps
             if len(engine.scheduler.running) == args.num_prompts and all(
                     s.num_output_tokens >= 8 for s in engine.scheduler.running.values()):

@@ -1,0 +1,156 @@
+"""pallas_kernels.backend: the per-kernel, per-shape backend table and its override."""
+
+import pytest
+
+from pallas_kernels import backend
+from pallas_kernels.backend import Rule, choose, parse_override, table_choice
+
+TABLE = (Rule("fp8_matmul", 128, 8192, "mosaic"),
+         Rule("attention", 0, 4096, "triton"))
+
+
+@pytest.fixture(autouse=True)
+def two_kernels(monkeypatch):
+    """A second kernel name beside the one with a Mosaic version, for the per-kernel
+    override and the table's per-kernel rules."""
+    monkeypatch.setattr(backend, "KERNELS", ("fp8_matmul", "attention"))
+
+
+@pytest.mark.parametrize("rows,want", [(0, "triton"), (16, "triton"), (127, "triton"),
+                                       (128, "mosaic"), (4096, "mosaic"),
+                                       (8192, "mosaic"), (8193, "triton")])
+def test_table_ranges(rows, want):
+    assert table_choice("fp8_matmul", rows, TABLE) == want
+    assert choose("fp8_matmul", rows, table=TABLE, env="") == want
+
+
+def test_unlisted_kernel_runs_triton():
+    assert choose("attention", 8192, table=TABLE, env="") == "triton"
+    assert choose("attention", 10, table=(), env="") == "triton"
+
+
+@pytest.mark.parametrize("value", ["triton", "mosaic"])
+def test_override_forces_every_kernel(value):
+    for kernel in backend.KERNELS:
+        for rows in (1, 128, 8192):
+            assert choose(kernel, rows, table=TABLE, env=value) == value
+
+
+def test_override_per_kernel():
+    env = "attention=mosaic"
+    assert choose("attention", 100, table=TABLE, env=env) == "mosaic"
+    assert choose("fp8_matmul", 16, table=TABLE, env=env) == "triton"  # the table's
+    assert choose("fp8_matmul", 256, table=TABLE, env=env) == "mosaic"
+    env = "fp8_matmul=triton, attention=mosaic"
+    assert parse_override(env) == {"fp8_matmul": "triton", "attention": "mosaic"}
+    assert choose("fp8_matmul", 256, table=TABLE, env=env) == "triton"
+
+
+def test_mosaic_only_where_the_kernel_takes_the_shape():
+    assert choose("fp8_matmul", 256, table=TABLE, env="", mosaic_ok=False) == "triton"
+    assert choose("fp8_matmul", 256, table=TABLE, env="mosaic", mosaic_ok=False) == "triton"
+
+
+def test_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    assert choose("fp8_matmul", 1, table=()) == "mosaic"
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert choose("fp8_matmul", 256, table=TABLE) == "triton"
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    assert choose("fp8_matmul", 256, table=TABLE) == "mosaic"
+
+
+@pytest.mark.parametrize("value", ["cuda", "fp8_matmul=cuda", "matmul=mosaic",
+                                   "fp8_matmul", "mosaic,triton"])
+def test_bad_override_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=backend.ENV_VAR):
+        choose("fp8_matmul", 16, env=value)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="'matmul'"):
+        table_choice("matmul", 16)
+    with pytest.raises(ValueError, match="rows -1"):
+        table_choice("fp8_matmul", -1)
+
+
+@pytest.mark.parametrize("table", [
+    (Rule("fp8_matmul", 0, 10, "cuda"),),
+    (Rule("decode", 0, 10, "mosaic"),),
+    (Rule("fp8_matmul", 10, 5, "mosaic"),),
+    (Rule("fp8_matmul", 0, 128, "mosaic"), Rule("fp8_matmul", 128, 256, "triton")),
+    (Rule("fp8_matmul", 0, 128, "mosaic", n=64), Rule("fp8_matmul", 0, 16, "triton", k=8)),
+])
+def test_table_check_refuses_bad_tables(table):
+    with pytest.raises(ValueError):
+        backend._check_table(table)
+
+
+def test_shape_rules():
+    table = (Rule("fp8_matmul", 4096, 4096, "mosaic", k=4096, n=4096),
+             Rule("fp8_matmul", 4096, 4096, "triton", k=4096, n=12288))
+    backend._check_table(table)
+    assert choose("fp8_matmul", 4096, k=4096, n=4096, table=table, env="") == "mosaic"
+    assert choose("fp8_matmul", 4096, k=4096, n=12288, table=table, env="") == "triton"
+    assert choose("fp8_matmul", 4096, k=11008, n=4096, table=table, env="") == "triton"
+    assert choose("fp8_matmul", 2048, k=4096, n=4096, table=table, env="") == "triton"
+    assert choose("fp8_matmul", 4096, k=4096, n=4096, table=table, env="triton") == "triton"
+    with pytest.raises(ValueError, match="overlap"):
+        backend._check_table(table + (Rule("fp8_matmul", 0, 8192, "triton", n=4096),))
+
+
+def test_shipped_table():
+    """The measured win: Llama-2-7B's o projection (4096 x 4096) at 4,096 rows."""
+    assert choose("fp8_matmul", 4096, k=4096, n=4096, env="") == "mosaic"
+    assert choose("fp8_matmul", 4096, k=4096, n=12288, env="") == "triton"
+    assert choose("fp8_matmul", 256, k=4096, n=4096, env="") == "triton"
+    assert choose("fp8_matmul", 4096, k=4096, n=4096, env="", mosaic_ok=False) == "triton"
+
+
+def test_shipped_table_is_valid():
+    backend._check_table(backend.TABLE)
+    backend._check_table(TABLE)
+
+
+def test_fp8_matmul_mosaic_declines_off_hopper(monkeypatch):
+    """On the CPU (no Hopper GPU) the engine's fp8 matmuls never take the Mosaic path,
+    even when the override forces it: fp8_matmul_mosaic answers None."""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    x = jnp.ones((4096, 4096), jnp.bfloat16)
+    w8 = jnp.ones((4096, 4096), jnp.float8_e4m3fn)
+    assert not backend.mosaic_available()
+    assert backend.fp8_matmul_mosaic(x, w8, jnp.ones(4096), lambda x: 1 / 0) is None
+
+
+def test_fp8_matmul_mosaic_routes_where_the_table_says(monkeypatch):
+    """With a Hopper GPU (pretended), the table's shape goes to the Mosaic kernel with
+    the activations quantised by the injected function; other shapes and a float32 x
+    stay on today's path (None)."""
+    import jax.numpy as jnp
+
+    pytest.importorskip("absl", reason="Mosaic GPU's Python package imports absl")
+    from pallas_kernels import mgpu_fp8_matmul as mgpu
+
+    calls = []
+    monkeypatch.setattr(backend, "mosaic_available", lambda: True)
+    monkeypatch.setattr(mgpu, "mgpu_fp8_matmul", lambda *a, **kw: calls.append((a, kw)) or 7)
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+
+    def quantize(x):
+        return x.astype(jnp.float8_e4m3fn), jnp.full((x.shape[0], 1), 2.0)
+
+    w8, ws = jnp.ones((4096, 4096), jnp.float8_e4m3fn), jnp.ones(4096)
+    x = jnp.ones((4096, 4096), jnp.bfloat16)
+    assert backend.fp8_matmul_mosaic(x, w8, ws, quantize) == 7
+    (args, kw), = calls
+    assert args[0].dtype == jnp.float8_e4m3fn and kw["quant"] == "pre"
+    assert kw["x_scale"].shape == (4096,) and float(kw["x_scale"][0]) == 2.0
+    assert kw["config"] == mgpu.ENGINE_CONFIG
+    assert backend.fp8_matmul_mosaic(x[:256], w8, ws, quantize) is None
+    assert backend.fp8_matmul_mosaic(x.astype(jnp.float32), w8, ws, quantize) is None
+    assert backend.fp8_matmul_mosaic(x[:, :1024], w8[:, :1024], ws, quantize) is None
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert backend.fp8_matmul_mosaic(x, w8, ws, quantize) is None
+    assert len(calls) == 1
