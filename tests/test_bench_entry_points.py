@@ -83,3 +83,18 @@ def test_jprefix_bench_lists_its_benchmarks(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ("throughput", "latency", "serve"))
+
+
+def test_the_engine_never_imports_the_benchmarks():
+    import ast
+
+    found = []
+    for folder in ("core", "engine", "worker"):
+        for path in sorted((ROOT / "jprefix" / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [f"{node.module}.{a.name}" for a in node.names]
+                         if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{path.name}: {n}" for n in names
+                          if n.startswith("jprefix.benchmarks")]
+    assert found == []
