@@ -50,9 +50,8 @@ def run_trace(llm, reqs: list, arrivals: list[float]) -> dict:
     while nxt < len(reqs) or active:
         now = time.monotonic()
         while nxt < len(reqs) and start + arrivals[nxt] <= now:
-            group = make_request(llm, reqs[nxt])
+            group = make_request(llm, reqs[nxt])  # (arrives now: made now)
             seq = group.seqs[0]  # (its scheduling state: read for the token times)
-            seq.arrival_time = now
             engine.add(group)
             active[seq.request_id], sent[seq.request_id] = seq, now
             times[seq.request_id] = []

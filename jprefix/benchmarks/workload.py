@@ -14,6 +14,7 @@ requests they describe.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -101,9 +102,7 @@ def _sharegpt(args: argparse.Namespace, vocab_size: int,
     if len(reqs) < args.num_prompts:
         raise ValueError(f"{path} holds {len(reqs)} requests, --num-prompts "
                          f"{args.num_prompts} asked")
-    reqs = reqs[: args.num_prompts]
-    for r in reqs:
-        r.output_len = args.output_len or r.output_len
-        if args.prefix_mode == "auto":
-            r.prefix_len = None
-    return reqs
+    auto = args.prefix_mode == "auto"
+    return [dataclasses.replace(r, output_len=args.output_len or r.output_len,
+                                prefix_len=None if auto else r.prefix_len)
+            for r in reqs[: args.num_prompts]]
