@@ -9,10 +9,16 @@ expert; compare with `XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=tru
 >= 9.22) and `JAX_RAGGED_DOT_USE_GPU_PALLAS_TRITON_LOWERING=1` (where the jax build ships
 its Pallas-Triton grouped GEMM) in separate processes.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_moe_grouped.py --model qwen3-30b-a3b
+    python scripts/probes/probe_moe_grouped.py --model qwen3-30b-a3b
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json
