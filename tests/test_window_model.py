@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_tensor_parallel import PRELUDE, _run_two_devices
+from subprocess_checks import assert_check, check_names
+from test_tensor_parallel import PRELUDE, two_device_run
 
 from jprefix import LLM, SamplingParams
 from models.config import ModelConfig
@@ -198,5 +199,7 @@ TP_SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
-def test_two_device_tensor_parallel_window_models_match_one_device():
-    _run_two_devices(TP_SCRIPT, "xla")  # (the kernels' per-shard path: test_tensor_parallel)
+@pytest.mark.parametrize("check", check_names(TP_SCRIPT))
+def test_two_device_tensor_parallel_window_models_match_one_device(check):
+    # (one subprocess on 2 devices, XLA; each assertion in it is a test here, by name)
+    assert_check(two_device_run(TP_SCRIPT, "xla"), check)
