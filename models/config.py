@@ -5,9 +5,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.config_families import qk_norm_and_expert_fields
+from models.config_families import (
+    BAICHUAN2_VOCAB_SIZE,
+    baichuan_fields,
+    qk_norm_and_expert_fields,
+)
+from models.fp8_checkpoint import fp8_checkpoint
+from models.gemma3_config import GEMMA_ACTS, gemma3_fields
+from models.layer_types import (
+    FULL,
+    SLIDING,
+    check_window,
+    hf_window,
+    layer_windows,
+    uniform_window,
+)
 
-ARCHS = ("llama", "mistral", "qwen2", "baichuan", "qwen3", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "baichuan", "qwen3", "mixtral", "qwen3_moe", "gemma3")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -16,11 +30,10 @@ _HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
 }
 ROPE_TYPES = ("default", "llama3", "linear")
 POSITION_EMBEDDINGS = ("rope", "alibi")
-# Baichuan2's vocabulary; Baichuan2 (unlike Baichuan 1, vocabulary 64,000) has a NormHead
-BAICHUAN2_VOCAB_SIZE = 125696
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +80,14 @@ class ModelConfig:
     num_experts: int = 0  # (0: a dense MLP)
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    # p - sliding_window < k <= p (models.layer_types); layer_types None: every layer
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3 (models.gemma3_config): the MLP's gate activation, the softmax scale's
+    # scalar (None: head_dim), the sliding layers' RoPE base (None: rope_theta)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -85,6 +106,9 @@ class ModelConfig:
             raise ValueError("norm_head=True with tie_word_embeddings=True: a NormHead is "
                              "its own lm_head")
         _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
+        check_window(self.sliding_window, self.layer_types, self.num_layers)
+        if self.hidden_act != "silu" and self.hidden_act not in GEMMA_ACTS.values():
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts={self.num_experts} with num_experts_per_tok="
                              f"{self.num_experts_per_tok}: need 1 <= top-k <= experts")
@@ -105,6 +129,21 @@ class ModelConfig:
         return self.position_embedding == "alibi"
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        return layer_windows(self.sliding_window, self.layer_types, self.num_layers)
+
+    @property
+    def attn_scale(self) -> float:
+        """The softmax scale: 1 / sqrt(query_pre_attn_scalar, else head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window every layer has (None: some layer has none)."""
+        return uniform_window(self.layer_windows)
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 
@@ -120,8 +159,8 @@ class ModelConfig:
     @classmethod
     def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         arch = _hf_arch(hf)
-        if arch == "baichuan":
-            return _from_baichuan_config(hf)
+        if arch in ("baichuan", "gemma3"):
+            return cls(**(baichuan_fields if arch == "baichuan" else gemma3_fields)(hf))
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
         if hf.get("mlp_bias", False):
@@ -147,48 +186,11 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **hf_window(hf, arch),
         ), **qk_norm_and_expert_fields(hf, arch))
 
 
 from_hf_config = ModelConfig.from_hf_config
-
-_FLOAT_PROJECT = ("load its float (bf16/fp16/fp32) checkpoint and pass quantization='fp8' "
-                  "to quantise it at load time")
-
-
-def fp8_checkpoint(quant: Any) -> str:
-    """"fp8" for a config.json `quantization_config` whose linear weights are float8 e4m3
-    with float scales, which the safetensors loader dequantises (per tensor, per output
-    channel, or per block: its `weight_scale` / `weight_scale_inv` tensors): llm-compressor's
-    compressed-tensors "float-quantized" format with 8-bit float weights, and the "fp8"
-    method (AutoFP8's per-tensor scales, or `weight_block_size` blocks). The engine then
-    quantises activations per token at run time, also where the checkpoint carries static
-    input scales, and picks its KV cache format by `kv_cache_dtype`, not by a
-    `kv_cache_scheme`. Else ValueError naming what is not supported."""
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if method == "fp8":
-        return "fp8"
-    if method != "compressed-tensors":
-        raise ValueError(f"the checkpoint is quantised with quant_method={method!r}, which "
-                         f"jprefix does not load (only fp8 weights: 'fp8' or "
-                         f"'compressed-tensors' float-quantized): {_FLOAT_PROJECT}")
-    if quant.get("format") not in ("float-quantized", "naive-quantized"):
-        raise ValueError(f"compressed-tensors format {quant.get('format')!r} is not "
-                         f"supported (only 'float-quantized' fp8 weights): {_FLOAT_PROJECT}")
-    groups = quant.get("config_groups") or {}
-    if not groups:
-        raise ValueError(f"compressed-tensors quantization_config has no config_groups: "
-                         f"{_FLOAT_PROJECT}")
-    for name, group in groups.items():
-        w = group.get("weights") or {}
-        if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in (
-                "tensor", "channel", "block"):
-            raise ValueError(
-                f"compressed-tensors group {name!r} has weights {w.get('type')!r} "
-                f"{w.get('num_bits')}-bit by {w.get('strategy')!r}: only 8-bit float "
-                f"weights per tensor, channel or block load; {_FLOAT_PROJECT}")
-    return "fp8"
-
 
 def _hf_arch(hf: dict[str, Any]) -> str:
     for name in hf.get("architectures") or ():
@@ -196,38 +198,10 @@ def _hf_arch(hf: dict[str, Any]) -> str:
             raise ValueError(
                 f"unknown architecture {name!r}; supported: {sorted(_HF_ARCHITECTURES)}"
             )
-    model_type = hf.get("model_type")
+    model_type = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
     if model_type not in ARCHS:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHS}")
     return model_type
-
-
-def _from_baichuan_config(hf: dict[str, Any]) -> ModelConfig:
-    """Baichuan2's config.json (remote-code `BaichuanConfig`), 7B or 13B.
-
-    Both sizes share `model_type` "baichuan" and the class `BaichuanForCausalLM`; the
-    7B's config (a RoPE model) has `max_position_embeddings` (its rotary table), the
-    13B's (ALiBi) only `model_max_length`, so that key's presence picks the position
-    embedding (vLLM's rule, hidden_size 4096 -> RoPE, agrees on the published configs and
-    also holds for smaller test models). NormHead iff the vocabulary is Baichuan2's
-    (Baichuan 1 has none). Heads are all kv heads (multi-head attention, fused `W_pack`).
-    """
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
-    rope = "max_position_embeddings" in hf
-    heads, eos = hf["num_attention_heads"], hf.get("eos_token_id", 2)
-    return ModelConfig(
-        arch="baichuan", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=heads, head_dim=hf["hidden_size"] // heads,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=10000.0,
-        max_position_embeddings=hf["max_position_embeddings"] if rope
-        else hf.get("model_max_length", 4096),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id", 1),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-        position_embedding="rope" if rope else "alibi",
-        norm_head=hf["vocab_size"] == BAICHUAN2_VOCAB_SIZE)
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
@@ -272,7 +246,7 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=_llama3_scaling(8.0, 8192), max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
     "mistral-7b": ModelConfig("mistral", 32000, 4096, 14336, 32, 32, 8, 128,
-                              max_position_embeddings=32768),
+                              max_position_embeddings=32768, sliding_window=4096),  # v0.1
     "qwen2-7b": ModelConfig(
         "qwen2", 152064, 3584, 18944, 28, 28, 4, 128, rms_norm_eps=1e-6, rope_theta=1e6,
         max_position_embeddings=32768, attention_bias=True, bos_token_id=151643,
@@ -286,6 +260,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 64)),
     "tiny-mistral": _tiny("mistral", rope_theta=1e6),
     "tiny-qwen2": _tiny("qwen2", rms_norm_eps=1e-6, attention_bias=True),
+    # 16-token windows on every layer, and on the second of two
+    "tiny-mistral-window": _tiny("mistral", sliding_window=16),
+    "tiny-mixed-window": _tiny("qwen2", attention_bias=True, sliding_window=16,
+                               layer_types=(FULL, SLIDING)),
     "baichuan2-7b": ModelConfig(
         "baichuan", BAICHUAN2_VOCAB_SIZE, 4096, 11008, 32, 32, 32, 128, rms_norm_eps=1e-6,
         norm_head=True),
@@ -315,6 +293,18 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mixtral": _tiny("mixtral", intermediate_size=48, num_experts=4, num_experts_per_tok=2),
     "tiny-qwen3-moe": _tiny("qwen3_moe", intermediate_size=32, rms_norm_eps=1e-6, qk_norm=True,
                             num_experts=8, num_experts_per_tok=3),
+    "gemma-3-12b": ModelConfig(
+        "gemma3", 262208, 3840, 15360, 48, 16, 8, 256, rms_norm_eps=1e-6, rope_theta=1e6,
+        rope_scaling=(("factor", 8.0), ("rope_type", "linear")), bos_token_id=2,
+        max_position_embeddings=131072, tie_word_embeddings=True, eos_token_ids=(1, 106),
+        sliding_window=1024, layer_types=tuple(FULL if i % 6 == 5 else SLIDING
+                                               for i in range(48)),
+        rope_local_theta=10000.0, qk_norm=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=256.0),
+    "tiny-gemma3": _tiny("gemma3", sliding_window=16, layer_types=(SLIDING, FULL),
+                         rope_local_theta=10000.0, rope_theta=1e6, qk_norm=True,
+                         hidden_act="gelu_tanh", query_pre_attn_scalar=24.0,
+                         tie_word_embeddings=True),
     "tiny-smollm2": _tiny("llama", hidden_size=96, num_heads=6, num_kv_heads=2,
                           tie_word_embeddings=True, rope_theta=100000.0),
 }

@@ -47,7 +47,8 @@ def param_partition_specs(cfg: ModelConfig, axis: str = "tp", kv_split: bool = T
     layers = LayerParams(
         attn_norm=rep, wq=col, wk=kv, wv=kv, bq=bias, bk=kv_bias, bv=kv_bias, wo=row,
         mlp_norm=rep, w_gate=mlp_col, w_up=mlp_col, w_down=mlp_row, q_norm=qk, k_norm=qk,
-        router=rep if cfg.moe else None)
+        router=rep if cfg.moe else None,
+        **dict.fromkeys(("post_attn_norm", "post_mlp_norm"), rep if cfg.arch == "gemma3" else None))
     lm_head = None if cfg.tie_word_embeddings else P(None, axis)
     return Params(embed=P(None, axis), layers=layers, final_norm=rep, lm_head=lm_head)
 

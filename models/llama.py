@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,8 +22,10 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.fp8_linear import Fp8Weight, fp8_matmul
+from models.gemma3 import embed_tokens, gated, post_norm
 from models.moe import ExpertsFn, moe_mlp
 from models.norms import qk_norm, qk_norm_fused, rms_norm
+from models.rope import apply_rope, layer_inv_freqs, rope_inv_freq  # noqa: F401 (re-export)
 
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
@@ -52,12 +53,12 @@ def dense_linear(x: jax.Array, w: jax.Array | Fp8Weight, act: str | None = None
 
 
 def apply_act(y: jax.Array, act: str | None) -> jax.Array:
-    """A `LinearFn`'s activation on its matmul result y: None, y; "silu_mul", y's
-    [gate | up] halves as silu(gate) * up."""
-    if act != "silu_mul":
+    """A `LinearFn`'s activation on its matmul result y: None, y; "<act>_mul" ("silu_mul",
+    Gemma's "gelu_tanh_mul"), y's [gate | up] halves as act(gate) * up."""
+    if act is None:
         return y
     gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    return gated(gate, up, act.removesuffix("_mul"))
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +73,9 @@ class LayerParams:
 
     Optional (None without the feature): `q_norm` / `k_norm`, per-head q/k RMSNorm weights
     (`cfg.qk_norm`, before RoPE); `router` (`cfg.moe`), whose MLP fields hold one matrix
-    per expert: w_gate / w_up [L, X, E, F], w_down [L, X, F, E] (X experts).
+    per expert: w_gate / w_up [L, X, E, F], w_down [L, X, F, E] (X experts);
+    `post_attn_norm` / `post_mlp_norm` (Gemma 3), norms of the attention's and the MLP's
+    outputs before the residual add.
     """
 
     attn_norm: jax.Array  # [L, E]
@@ -90,6 +93,8 @@ class LayerParams:
     q_norm: jax.Array | None = None  # [L, D]
     k_norm: jax.Array | None = None  # [L, D]
     router: jax.Array | None = None  # [L, E, X]
+    post_attn_norm: jax.Array | None = None  # [L, E]
+    post_mlp_norm: jax.Array | None = None  # [L, E]
 
 
 @jax.tree_util.register_dataclass
@@ -149,7 +154,8 @@ def param_shapes(cfg: ModelConfig) -> Params:
         bq=(n, hd) if bias else None, bk=(n, kd) if bias else None,
         bv=(n, kd) if bias else None, wo=(n, hd, e), mlp_norm=(n, e),
         w_gate=(*per, e, f), w_up=(*per, e, f), w_down=(*per, f, e), q_norm=qk, k_norm=qk,
-        router=(n, e, x) if cfg.moe else None)
+        router=(n, e, x) if cfg.moe else None, **dict.fromkeys(
+            ("post_attn_norm", "post_mlp_norm"), (n, e) if cfg.arch == "gemma3" else None))
     lm_head = None if cfg.tie_word_embeddings else (e, v)
     return Params(embed=(v, e), layers=layers, final_norm=(e,), lm_head=lm_head)
 
@@ -167,37 +173,6 @@ def normalize_head(lm_head: jax.Array) -> jax.Array:
     w = lm_head.astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(w * w, axis=0, keepdims=True))
     return (w / jnp.maximum(norm, 1e-12)).astype(lm_head.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """[D/2] float32 inverse frequencies, with llama3 or linear scaling applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    sc = cfg.rope_scaling_dict
-    kind = sc.get("rope_type", "default")
-    if kind == "linear":
-        return inv / sc["factor"]
-    if kind != "llama3":
-        return inv
-    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-    old_len = sc["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [..., N, D] rotated at positions [...] in HF's rotate_half layout (fp32 math)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _fused_qkv(h: jax.Array, lp: LayerParams, linear: LinearFn) -> jax.Array:
@@ -229,9 +204,9 @@ def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, 
     if lp.router is not None:  # mixture of experts (models.moe)
         return moe_mlp(h, lp.router, lp.w_gate, lp.w_up, lp.w_down, cfg, experts_fn)
     if fused:  # [w_gate | w_up] (per shard: see Params.shards)
-        act = col_linear(h, lp.w_gate, "silu_mul")
+        act = col_linear(h, lp.w_gate, f"{cfg.hidden_act}_mul")
     else:
-        act = jax.nn.silu(col_linear(h, lp.w_gate)) * col_linear(h, lp.w_up)
+        act = gated(col_linear(h, lp.w_gate), col_linear(h, lp.w_up), cfg.hidden_act)
     return linear(act, lp.w_down)
 
 
@@ -270,8 +245,8 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
         raise ValueError(f"params fused over {params.shards} shards need a col_linear")
     if params.shards > 1 and cfg.moe and experts_fn is None:
         raise ValueError(f"experts fused over {params.shards} shards need an experts_fn")
-    x = params.embed[token_ids]
-    body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
+    x = embed_tokens(params.embed, cfg, token_ids)
+    body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=layer_inv_freqs(cfg),
                              attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
                              fused=params.layout == "fused", shards=params.shards,
                              col_linear=col_linear or linear, experts_fn=experts_fn)
@@ -290,6 +265,7 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
            experts_fn: ExpertsFn | None):
     x, cache = carry
     lp, layer = xs
+    inv_freq = inv_freq[layer] if inv_freq.ndim == 2 else inv_freq  # (per-layer bases)
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if fused and qkv_attn_fn is not None:
         qkv = qk_norm_fused(_fused_qkv(h, lp, col_linear), lp.q_norm, lp.k_norm, cfg.eps_qk,
@@ -302,9 +278,11 @@ def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, c
         if not cfg.alibi:
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
-    x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
-    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused,
-                 cfg, experts_fn)
+    attn = linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
+    x = x + post_norm(attn, lp.post_attn_norm, cfg.rms_norm_eps)
+    mlp = _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused, cfg,
+               experts_fn)
+    x = x + post_norm(mlp, lp.post_mlp_norm, cfg.rms_norm_eps)
     return (x, cache), None
 
 

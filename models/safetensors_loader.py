@@ -7,8 +7,9 @@ Q/K/V into one `self_attn.W_pack.weight` [3E, E] (rows: q, then k, then v) and i
 mixture of experts saves one tensor per expert (Mixtral: `block_sparse_moe.experts.{j}.w1`
 (gate), `w3` (up), `w2` (down) and the router `block_sparse_moe.gate`; Qwen3-MoE:
 `mlp.experts.{j}.gate_proj` / `up_proj` / `down_proj` and `mlp.gate`), which are read
-and stacked on the expert axis. PyTorch `.bin` checkpoints (what the Baichuan2 repositories
-ship) are not read: convert them to safetensors first.
+and stacked on the expert axis. Gemma 3's norms: `_GEMMA3_NAMES`. PyTorch `.bin`
+checkpoints (what the Baichuan2 repositories ship) are not read: convert them to
+safetensors first.
 
 An fp8 checkpoint (`models.config.fp8_checkpoint`) stores linear weights as F8_E4M3
 beside a float `<name>_scale` (or DeepSeek-style `<name>_scale_inv`) of one value, one
@@ -69,6 +70,14 @@ _W_PACK = "self_attn.W_pack.weight"
 _PACKED = ("wq", "wk", "wv")  # W_pack's row blocks, in order
 
 
+# Gemma 3: a norm after attention and after the MLP; the pre-MLP norm is
+# `pre_feedforward_layernorm` (its `post_attention_layernorm` is the attention's output
+# norm, where a Llama's is the pre-MLP norm). Its norms scale by 1 + w: read as 1 + w.
+_GEMMA3_NAMES = {"post_attn_norm": "post_attention_layernorm.weight",
+                 "mlp_norm": "pre_feedforward_layernorm.weight",
+                 "post_mlp_norm": "post_feedforward_layernorm.weight"}
+
+
 def hf_tensor_name(field: str, layer: int | None, arch: str = "llama",
                    expert: int | None = None) -> str:
     """The HF state-dict name of a Params field (at `layer` for per-layer fields); for
@@ -82,6 +91,8 @@ def hf_tensor_name(field: str, layer: int | None, arch: str = "llama",
         router, experts = _MOE_NAMES[arch]
         name = router if field == "router" else experts[field].format(j=expert)
         return f"model.layers.{layer}.{name}"
+    if arch == "gemma3" and field in _GEMMA3_NAMES:
+        return f"model.layers.{layer}.{_GEMMA3_NAMES[field]}"
     return f"model.layers.{layer}.{_LAYER_NAMES[field]}"
 
 
@@ -233,6 +244,8 @@ def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = N
             arr = dequantize_fp8(arr, tensors[scale].get(scale), where)
         if cfg.arch == "baichuan":
             arr = _baichuan_tensor(cfg, field, name, arr, where)
+        if cfg.arch == "gemma3" and field.endswith("norm"):  # (1 + w, float32 as HF adds)
+            arr = 1.0 + np.asarray(arr, np.float32)
         return arr, where
 
     return build_params(cfg, get, dtype, shardings), cfg

@@ -22,6 +22,15 @@ non-causal contract), which leaves its output exact but its lse too high by
 `slope_h * (q_pos - prefix length)`, the row's suffix position: subtracting that makes
 both lse's those of the true logits, so the merge equals ALiBi attention over the
 full table.
+
+Sliding window (`sliding_window`): a row's window bound depends on its own position,
+which the prefix part (every row of a group against the whole prefix, no position
+mask) does not have. A windowed call therefore attends each sequence over its full
+table (the group's prefix blocks, then its own: `full_block_tables`) with the windowed
+causal kernel, which reads only the pages in each row's window; the prefix is not
+shared, but a window row reads at most `window` keys, so there is little to share. A
+window reaching past every key the tables can hold is no window (a mixed model's full
+layer: `models.window.FULL_WINDOW`): `lax.cond` then takes the shared-prefix pass.
 """
 
 from __future__ import annotations
@@ -121,6 +130,7 @@ def cascade_attention(
     alibi_slopes: jax.Array | None = None,  # [H] float32
     k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
     v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+    sliding_window: jax.Array | int | None = None,  # int32 scalar >= 1
 ) -> jax.Array:
     """Causal attention of a ragged batch whose groups share cached prefixes. [T, H, D].
 
@@ -133,14 +143,46 @@ def cascade_attention(
     path; the knobs are ignored there).
     `alibi_slopes` as in `paged_attention`, at each row's absolute position; an fp8
     cache's `k_scale`, `v_scale` as there (both parts read the cache through them).
+    `sliding_window` as there: each sequence over its full table (module docstring),
+    unless the window reaches past every key the tables hold (`lax.cond`).
     """
     _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
+    tables = (prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens, suffix_block_tables,
+              suffix_kv_lens, cu_q_lens)
+    common = dict(q=q, k_cache=k_cache, v_cache=v_cache, layer=layer, scale=scale,
+                  soft_cap=soft_cap, alibi_slopes=alibi_slopes, k_scale=k_scale,
+                  v_scale=v_scale)
+    kernel = dict(interpret=interpret, use_reference=use_reference, max_q_len=max_q_len)
+    shared = functools.partial(_shared_prefix_pass, *tables, common=common, **kernel,
+                               prefix_block_sizes=prefix_block_sizes,
+                               suffix_block_sizes=suffix_block_sizes)
+    if sliding_window is None:
+        return shared()
+    # a window reaching past every key the tables can hold is none: the shared pass
+    reach = (prefix_block_tables.shape[1] + suffix_block_tables.shape[1]) * k_cache.shape[3]
+    return jax.lax.cond(sliding_window >= reach, shared, functools.partial(
+        _windowed_pass, *tables, common=common, sliding_window=sliding_window, **kernel))
+
+
+def _windowed_pass(*tables, common, sliding_window, interpret, use_reference, max_q_len):
+    """A window's cascade: each sequence's full table with the windowed causal op."""
+    full, kv_lens = full_block_tables(common["k_cache"].shape[3], *tables)
+    args = dict(common, block_tables=full, kv_lens=kv_lens, cu_q_lens=tables[-1],
+                sliding_window=sliding_window)
+    if use_reference:
+        return paged_attention_reference(**args)
+    return paged_attention(**args, interpret=interpret, max_q_len=max_q_len)
+
+
+def _shared_prefix_pass(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens,
+                        suffix_block_tables, suffix_kv_lens, cu_q_lens, *, common, interpret,
+                        use_reference, max_q_len, prefix_block_sizes, suffix_block_sizes):
+    """The prefix part and the suffix part, merged by log-sum-exp (module docstring)."""
+    q, k_cache, alibi_slopes = common["q"], common["k_cache"], common["alibi_slopes"]
     groups = _with_leading_group(prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
     suffix = dict(block_tables=suffix_block_tables, kv_lens=suffix_kv_lens,
                   cu_q_lens=cu_q_lens)
-    common = dict(q=q, k_cache=k_cache, v_cache=v_cache, layer=layer, scale=scale,
-                  soft_cap=soft_cap, return_lse=True, alibi_slopes=alibi_slopes,
-                  k_scale=k_scale, v_scale=v_scale)
+    common = dict(common, return_lse=True)
     if use_reference:
         o1, lse1 = paged_attention_reference(**groups, causal=False, **common)
         o2, lse2 = paged_attention_reference(**suffix, **common)
@@ -201,14 +243,28 @@ def cascade_attention_reference(
     alibi_slopes: jax.Array | None = None,  # [H] float32
     k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
     v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+    sliding_window: jax.Array | int | None = None,  # int32 scalar >= 1
 ) -> jax.Array:
-    """The dense check: each sequence's full table (its group's prefix blocks, then its
-    own blocks) and plain causal `paged_attention_reference` over it. Returns [T, H, D].
-
-    Sequence s belongs to the group whose row range holds its first row (if any).
-    """
+    """The dense check: each sequence's full table (`full_block_tables`) and plain
+    causal `paged_attention_reference` over it. Returns [T, H, D]."""
     _check_groups(q, prefix_block_tables, prefix_kv_lens, prefix_cu_q_lens)
-    b = k_cache.shape[3]
+    tables, kv_lens = full_block_tables(k_cache.shape[3], prefix_block_tables,
+                                        prefix_kv_lens, prefix_cu_q_lens, suffix_block_tables,
+                                        suffix_kv_lens, cu_q_lens)
+    return paged_attention_reference(q, k_cache, v_cache, layer, tables, kv_lens, cu_q_lens,
+                                     scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                                     k_scale=k_scale, v_scale=v_scale,
+                                     sliding_window=sliding_window)
+
+
+def full_block_tables(block_size: int, prefix_block_tables: jax.Array,
+                      prefix_kv_lens: jax.Array, prefix_cu_q_lens: jax.Array,
+                      suffix_block_tables: jax.Array, suffix_kv_lens: jax.Array,
+                      cu_q_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's whole block table, its group's prefix blocks then its own, int32
+    [S, Mp + M], and its kv_len (prefix + suffix), int32 [S]. Sequence s belongs to the
+    group whose row range holds its first row (if any)."""
+    b = block_size
     num_groups, mp = prefix_block_tables.shape
     first_row = cu_q_lens[:-1]
     grp = jnp.searchsorted(prefix_cu_q_lens[1:], first_row, side="right").astype(jnp.int32)
@@ -220,8 +276,4 @@ def cascade_attention_reference(
     from_prefix = prefix_block_tables[grp_c[:, None], jnp.minimum(j, mp - 1)]
     from_suffix = jnp.take_along_axis(
         jnp.pad(suffix_block_tables, ((0, 0), (0, mp))), jnp.maximum(j - n_prefix, 0), axis=1)
-    tables = jnp.where(j < n_prefix, from_prefix, from_suffix)
-    return paged_attention_reference(q, k_cache, v_cache, layer, tables,
-                                     prefix_len + suffix_kv_lens, cu_q_lens, scale=scale,
-                                     soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                                     k_scale=k_scale, v_scale=v_scale)
+    return jnp.where(j < n_prefix, from_prefix, from_suffix), prefix_len + suffix_kv_lens

@@ -49,3 +49,19 @@ def check_int32_rows(cache_rows: int, extra_rows: int = 0) -> None:
     fit in int32."""
     if cache_rows + extra_rows >= MAX_INT32_ROWS:
         raise ValueError(f"cache of {cache_rows} rows is too large for int32 row indices")
+
+
+def check_window(sliding_window, causal: bool = True) -> None:
+    """Raises ValueError for a window that is not an integer scalar >= 1 (a traced one's
+    value cannot be checked) or one given with `causal=False`."""
+    if sliding_window is None:
+        return
+    if not causal:
+        raise ValueError("sliding_window needs causal=True (a non-causal row has no position)")
+    if isinstance(sliding_window, (int, float)) or not hasattr(sliding_window, "dtype"):
+        if int(sliding_window) != sliding_window or sliding_window < 1:
+            raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+    elif jnp.ndim(sliding_window) != 0 or not jnp.issubdtype(sliding_window.dtype,
+                                                              jnp.integer):
+        raise ValueError(f"sliding_window must be an integer scalar, got "
+                         f"{sliding_window.dtype}{list(jnp.shape(sliding_window))}")

@@ -19,6 +19,14 @@ output is the same for any q_pos, only the lse moves by `slope_h * (kv_len - q_p
 which cascade attention adds back for the row's true position). None: no bias, and the
 op is the same program as without the argument.
 
+With `sliding_window` w (an int32 scalar >= 1, traced or a Python int: the same
+program serves every window; None: no window, and no code for it) a row at q_pos sees
+only the keys at positions k with q_pos - w < k <= q_pos: w keys, itself included
+(transformers' `kv_idx > q_idx - sliding_window`, vLLM's flash-attention window
+(w - 1, 0)). The kernel starts its key loop at the first step holding a key of the
+window, so pages wholly older than it are never read (a block table may hold the null
+block 0 there); the reference masks them. A window needs `causal=True` (ValueError).
+
 With an fp8 cache (`fp8.py`) `k_scale` and `v_scale` ([L, K, N, B] float32, one scale
 per cached row) come with it: every op here reads the cache as `cache * scale`; the
 kernel dequantises inside (fp8 tiles and their scales loaded, converted in registers),
@@ -37,7 +45,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.alibi import check_slopes
-from pallas_kernels.common import INT32, check_caches, check_float_dtypes, is_pow2
+from pallas_kernels.common import (
+    INT32,
+    check_caches,
+    check_float_dtypes,
+    check_window,
+    is_pow2,
+)
 from pallas_kernels.fp8 import check_fp8_cache
 from pallas_kernels.paged_attention_kernel import run_kernel
 from pallas_kernels.paged_attention_tiling import (
@@ -101,6 +115,7 @@ def paged_attention(
     alibi_slopes: jax.Array | None = None,  # [H] float32
     k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
     v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+    sliding_window: jax.Array | int | None = None,  # int32 scalar >= 1
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a ragged batch against the paged KV cache. Returns [T, H, D], or with
     `return_lse` `(out [T, H, D], lse [T, H] float32)` (module docstring).
@@ -114,6 +129,8 @@ def paged_attention(
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens, k_scale,
                   v_scale)
     check_slopes(alibi_slopes, q.shape[1])
+    check_window(sliding_window, causal)
+    windowed = sliding_window is not None
     bs = resolve_block_sizes(block_sizes or BlockSizes(), q.shape, k_cache.shape, q.dtype,
                              max_q_len=max_q_len, causal=causal,
                              table_keys=block_tables.shape[1] * k_cache.shape[3],
@@ -121,13 +138,15 @@ def paged_attention(
     cfg = kernel_config(bs, q.shape, k_cache.shape, decode=max_q_len == 1, scale=scale,
                         soft_cap=soft_cap, interpret=interpret, causal=causal,
                         return_lse=return_lse, alibi=alibi_slopes is not None,
-                        kv_fp8=k_scale is not None)
+                        kv_fp8=k_scale is not None, windowed=windowed)
     num_layers, k, n, b, d = k_cache.shape
     t, h, _ = q.shape
     pad = -block_tables.shape[1] % cfg.pages_per_step
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # pad -> null block 0
     meta = tile_metadata(cu_q_lens, kv_lens, t, cfg.tile_tokens)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if windowed:
+        layer = jnp.concatenate([layer, jnp.asarray(sliding_window, jnp.int32).reshape(1)])
     rows = (num_layers * k * n * b, d)  # one row per cached token and head
     kv_scales = None if k_scale is None else (k_scale.reshape(-1), v_scale.reshape(-1))
     out = run_kernel(q.reshape(t * h, d), k_cache.reshape(rows), v_cache.reshape(rows),
@@ -156,6 +175,7 @@ def mixed_paged_attention(
     alibi_slopes: jax.Array | None = None,  # [H] float32
     k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
     v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+    sliding_window: jax.Array | int | None = None,  # int32 scalar >= 1
 ) -> jax.Array:
     """`paged_attention` of a batch whose first `num_decode` sequences have one query
     row each (rows `0:num_decode`), as a step mixing decodes with prefill chunks does:
@@ -165,7 +185,7 @@ def mixed_paged_attention(
     Returns [T, H, D]; the same function as `paged_attention` on the same inputs."""
     t = q.shape[0]
     num_seqs = kv_lens.shape[0]
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
     decoding = jnp.arange(num_seqs) < num_decode
     rows = min(t, num_seqs)  # the decode rows come first: 0:num_decode within 0:S
     out_decode = paged_attention(  # later sequences: no rows, no keys
@@ -192,9 +212,11 @@ def token_positions(cu_q_lens, kv_lens, num_tokens: int):
     return seq, pos, valid
 
 
-def _reference_chunk(q, limit, valid, tables, bias_pos=None, *, k_cache, v_cache, layer,
-                     scale, soft_cap, return_lse, alibi_slopes, k_scale=None, v_scale=None):
-    """Attention for C tokens, each against keys [0, limit) of its sequence's pages;
+def _reference_chunk(q, limit, valid, tables, bias_pos=None, start=None, *, k_cache, v_cache,
+                     layer, scale, soft_cap, return_lse, alibi_slopes, k_scale=None,
+                     v_scale=None):
+    """Attention for C tokens, each against keys [start, limit) (start None: 0) of its
+    sequence's pages;
     with `alibi_slopes` [H], the ALiBi bias of a token at position `bias_pos`; an fp8
     cache dequantised (float32) after the gather."""
     c, h, d = q.shape
@@ -218,6 +240,8 @@ def _reference_chunk(q, limit, valid, tables, bias_pos=None, *, k_cache, v_cache
         slopes = alibi_slopes.reshape(1, k, h // k, 1)
         s = s + slopes * rel.astype(jnp.float32)[:, None, None, :]
     visible = (jnp.arange(m * b)[None, :] < limit[:, None]) & valid[:, None]  # [C, M*B]
+    if start is not None:  # a sliding window's first key
+        visible = visible & (jnp.arange(m * b)[None, :] >= start[:, None])
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
     s_max = jnp.max(s, axis=-1, keepdims=True)
     s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
@@ -251,17 +275,20 @@ def paged_attention_reference(
     alibi_slopes: jax.Array | None = None,  # [H] float32
     k_scale: jax.Array | None = None,  # [L, K, N, B] float32 (fp8 caches)
     v_scale: jax.Array | None = None,  # [L, K, N, B] float32
+    sliding_window: jax.Array | int | None = None,  # int32 scalar >= 1
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain-jnp paged attention with `paged_attention`'s semantics (also the CPU path).
 
     Each token gathers its sequence's pages straight from the multi-layer cache (no
     layer copy) and runs a masked float32 softmax. Tokens go `token_chunk` at a time
     (default: about 16M gathered elements per chunk) so memory stays bounded.
-    `causal`, `return_lse`, `alibi_slopes` and the fp8 scales as in `paged_attention`.
+    `causal`, `return_lse`, `alibi_slopes`, the fp8 scales and `sliding_window` as in
+    `paged_attention` (keys older than the window are gathered, then masked).
     """
     _check_inputs(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens, k_scale,
                   v_scale)
     check_slopes(alibi_slopes, q.shape[1])
+    check_window(sliding_window, causal)
     t, h, d = q.shape
     _, k, _, b, _ = k_cache.shape
     m = block_tables.shape[1]
@@ -275,8 +302,10 @@ def paged_attention_reference(
                               return_lse=return_lse, alibi_slopes=alibi_slopes,
                               k_scale=k_scale, v_scale=v_scale)
     args = (q, limit, valid, block_tables[seq])
-    if alibi_slopes is not None:  # ALiBi's q_pos (module docstring)
+    if alibi_slopes is not None or sliding_window is not None:  # ALiBi's q_pos
         args += (pos if causal else kv_lens[seq],)
+    if sliding_window is not None:  # keys [pos - window + 1, pos + 1)
+        args += (pos - jnp.asarray(sliding_window, jnp.int32) + 1,)
     if c == t:
         return chunk(*args)
     pad = -t % c

@@ -8,11 +8,13 @@ viewed as `[L*K*N*B, D]`, one row pointer per key (row = ((layer*K + head)*N + p
 offset, the page id read per key from the block table). With `kv_splits > 1` each
 program stores unnormalised float32 partials that `combine_splits` merges in XLA.
 
-Three static options add code only when set: `causal=False` (every row sees all
+Static options add code only when set: `causal=False` (every row sees all
 `kv_len` keys; cascade attention's shared-prefix part), `return_lse` (also the
-log-sum-exp of each row's logits, natural log, -inf for rows that see no key) and
+log-sum-exp of each row's logits, natural log, -inf for rows that see no key),
 `alibi` (an [H] slopes input; each step adds `slope_h * (key_pos - q_pos)` to the
-logits, q_pos = the row's position, or kv_len with `causal=False`) and `kv_fp8` (the
+logits, q_pos = the row's position, or kv_len with `causal=False`), `windowed` (the
+window a traced int32 beside the layer; the key loop starts at the tile's first row's
+window, so older pages are never read, and masks the window's edge) and `kv_fp8` (the
 caches are fp8 with float32 scales per row, `fp8.py`: each step loads the fp8 tiles and
 their scales, converts the tiles to the query's dtype for the dots, multiplies each
 key's logits by its K scale and each key's softmax weight by its V scale; the bytes
@@ -35,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.alibi import alibi_tile_terms
-from pallas_kernels.paged_attention_tiling import KernelConfig
+from pallas_kernels.paged_attention_tiling import KernelConfig, window_steps
 from pallas_kernels.paged_gather import gather_kv, load_pages
 
 LOG2E = math.log2(math.e)
@@ -58,7 +60,7 @@ def _logits(s, cfg: KernelConfig):
 
 
 def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, v_ref, cfg,
-          masked, alibi=None, scale_refs=None):
+          masked, alibi=None, scale_refs=None, window=None):
     """One online-softmax step over `block_kv` keys (of each of the tile's heads) gathered
     from `pages_per_step` pages; `masked` adds the causal / length mask (edge steps).
 
@@ -71,6 +73,8 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     `alibi.alibi_tile_terms`). With `cfg.alibi_folded` x is the raw dot product plus
     the bias over the scale, and `unit` = scale * log2(e) scales it inside exp2.
     `scale_refs` (with `cfg.kv_fp8`): the K and V scales, [L*K*N*B] float32 each.
+    `window` (with `cfg.windowed`): (window, kv_lo) (`window_steps`): a masked step
+    also hides keys <= pos - window and loads none below kv_lo.
     """
     o, m, denom, pages = carry
     if cfg.prefetch_pages:
@@ -82,6 +86,8 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
     key_pos = j * cfg.block_kv + kk % cfg.block_kv
     # An edge step's keys past kv_len are padding: with mask_kv they are not fetched.
     kv_ok = key_pos < kv_len if masked and cfg.mask_kv else None
+    if kv_ok is not None and cfg.windowed:  # nor those older than every row's window
+        kv_ok = kv_ok & (key_pos >= window[1])
     k, v, scales = gather_kv(k_ref, v_ref, page_base, pages, cfg, kv_ok, scale_refs)
     if cfg.kv_fp8:  # dequantise: fp8 -> the dots' dtype (exact), the scales per key.
         # A 16-bit query computes in float16, not bfloat16: every e4m3/e5m2 value is exact
@@ -106,6 +112,8 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
             visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
         else:
             visible = key_pos[None, :] < kv_len
+        if cfg.windowed:
+            visible = visible & (key_pos[None, :] > (pos - window[0])[:, None])
         x = jnp.where(visible, x, -jnp.inf)
     if cfg.alibi_folded:  # (unit > 0: the max commutes with the scale)
         unit = cfg.scale * LOG2E
@@ -125,7 +133,7 @@ def _step(j, carry, *, q, pos, row_head, kv_len, seq, page_base, bt_ref, k_ref, 
 def ragged_paged_attention_kernel(
     meta_ref,  # [NT, 5] int32 (tile_metadata)
     bt_ref,  # [S, Mp] int32 block tables, Mp a multiple of pages_per_step
-    layer_ref,  # [1] int32
+    layer_ref,  # [1] int32; cfg.windowed: [2], [layer, window]
     q_ref,  # [T*H, D]
     k_ref,  # [L*K*N*B, D]
     v_ref,  # [L*K*N*B, D]
@@ -185,14 +193,17 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
     max_steps = bt_ref.shape[1] // cfg.pages_per_step
     n_steps = jnp.minimum(pl.cdiv(kv_hi, cfg.block_kv), max_steps)
     n_full = jnp.minimum(kv_full // cfg.block_kv, n_steps)
-    per_split = pl.cdiv(n_steps, cfg.kv_splits)
-    lo = split * per_split
+    # steps before `first` hold no key of any row's window; from n_win on, all are seen
+    first, n_win, window = window_steps(layer_ref, first_pos, valid, kv_len, n_steps, cfg)
+    per_split = pl.cdiv(n_steps - first, cfg.kv_splits)
+    lo = first + split * per_split
     hi = jnp.minimum(lo + per_split, n_steps)
 
     page_base = (layer_ref[0] * cfg.num_kv_heads + kvh) * cfg.num_blocks
     step = functools.partial(
         _step, q=q, pos=pos, row_head=row_head, kv_len=kv_len, seq=seq, page_base=page_base,
         bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, cfg=cfg, scale_refs=scale_refs,
+        window=window,
     )
     if cfg.alibi:
         if cfg.group == 1 and cfg.heads_per_tile == 1:  # every row is head kvh: one slope
@@ -212,9 +223,12 @@ def _tile(tile, kvh, split, meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *r
     )
     if cfg.single_loop:
         o, m, denom, _ = lax.fori_loop(lo, hi, functools.partial(step, masked=True), carry)
-    else:
-        mid = jnp.clip(n_full, lo, hi)
-        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
+    else:  # the window's edge (masked), the steps every row sees whole, the causal edge
+        edge = jnp.clip(n_win, lo, hi)
+        mid = jnp.clip(n_full, edge, hi)
+        if cfg.windowed:
+            carry = lax.fori_loop(lo, edge, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(edge, mid, functools.partial(step, masked=False), carry)
         o, m, denom, _ = lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
     if cfg.alibi:  # the running max of the true logits (the output does not move)
         m = m - row_shift
@@ -263,9 +277,10 @@ def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
                kv_scales: tuple[jax.Array, jax.Array] | None = None,
                ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Launches the kernel: q2 [T*H, D]; k2, v2 the caches as [L*K*N*B, D]; layer [1]
-    int32; block_tables [S, Mp] int32 (Mp a multiple of pages_per_step); meta [NT, 5]
-    int32 (`tile_metadata`); alibi_slopes [H] float32, given iff `cfg.alibi`; kv_scales
-    (k's, v's [L*K*N*B] float32), given iff `cfg.kv_fp8`.
+    int32 ([2]: [layer, window] with `cfg.windowed`); block_tables [S, Mp] int32 (Mp a
+    multiple of pages_per_step); meta [NT, 5] int32 (`tile_metadata`); alibi_slopes [H]
+    float32, given iff `cfg.alibi`; kv_scales (k's, v's [L*K*N*B] float32), given iff
+    `cfg.kv_fp8`.
 
     Returns [T*H, D], or with `cfg.return_lse` ([T*H, D], lse [T*H] float32).
     """
@@ -293,7 +308,7 @@ def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=_kernel_name(cfg),
+        name=cfg.kernel_name,
     )(*inputs)
     if cfg.kv_splits == 1:
         if cfg.return_lse:
@@ -303,13 +318,3 @@ def run_kernel(q2: jax.Array, k2: jax.Array, v2: jax.Array, layer: jax.Array,
     s = cfg.kv_splits
     return combine_splits(o.reshape(s, rows, d), m.reshape(s, rows), denom.reshape(s, rows),
                           cfg.num_rows, q2.dtype, return_lse=cfg.return_lse)
-
-
-def _kernel_name(cfg: KernelConfig) -> str:
-    name = f"ragged_paged_attention_r{cfg.tile_rows}_kv{cfg.block_kv}_s{cfg.kv_splits}"
-    name += "" if cfg.causal else "_full"
-    name += "_lse" if cfg.return_lse else ""
-    name += "_alibi" if cfg.alibi else ""
-    name += "_fp8" if cfg.kv_fp8 else ""
-    name += f"_hp{cfg.heads_per_tile}" if cfg.heads_per_tile > 1 else ""
-    return name + "_1loop" * cfg.single_loop

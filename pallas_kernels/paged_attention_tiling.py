@@ -163,6 +163,10 @@ class KernelConfig:
     heads_per_tile: int = 1
     alibi: bool = False  # add slope_h * (k_pos - q_pos) to the logits ([H] slopes input)
     kv_fp8: bool = False  # fp8 caches with float32 scales per row (two scales inputs)
+    # sliding-window attention: the layer input holds [layer, window] and a row at q_pos
+    # sees keys k with q_pos - window < k <= q_pos (causal only); steps wholly older than
+    # the tile's first row's window are never run, so their pages are never read
+    windowed: bool = False
 
     @property
     def block_kv(self) -> int:
@@ -175,6 +179,18 @@ class KernelConfig:
         return self.alibi and self.soft_cap is None and self.scale > 0
 
     @property
+    def kernel_name(self) -> str:
+        """The Pallas call's name: the tiling and the static options it was built with."""
+        name = f"ragged_paged_attention_r{self.tile_rows}_kv{self.block_kv}_s{self.kv_splits}"
+        name += "" if self.causal else "_full"
+        name += "_lse" if self.return_lse else ""
+        name += "_alibi" if self.alibi else ""
+        name += "_fp8" if self.kv_fp8 else ""
+        name += "_window" if self.windowed else ""
+        name += f"_hp{self.heads_per_tile}" if self.heads_per_tile > 1 else ""
+        return name + "_1loop" * self.single_loop
+
+    @property
     def keys_per_step(self) -> int:
         """Rows gathered per step: block_kv keys of each of the tile's KV heads."""
         return self.heads_per_tile * self.block_kv
@@ -183,7 +199,7 @@ class KernelConfig:
 def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
                   *, decode: bool, scale: float, soft_cap: float | None, interpret: bool,
                   causal: bool, return_lse: bool, alibi: bool = False,
-                  kv_fp8: bool = False) -> KernelConfig:
+                  kv_fp8: bool = False, windowed: bool = False) -> KernelConfig:
     """The kernel's static facts from resolved knobs `bs` (`resolve_block_sizes`)."""
     t, h, d = q_shape
     _, k, n, b, _ = cache_shape
@@ -198,8 +214,24 @@ def kernel_config(bs: BlockSizes, q_shape: tuple[int, ...], cache_shape: tuple[i
         dump_rows=interpret, prefetch_pages=bs.prefetch_pages, causal=causal,
         return_lse=return_lse, single_loop=bs.single_loop, evict_first=bs.evict_first,
         mask_q=bs.mask_q, mask_kv=bs.mask_kv, heads_per_tile=bs.heads_per_tile,
-        alibi=alibi, kv_fp8=kv_fp8,
+        alibi=alibi, kv_fp8=kv_fp8, windowed=windowed,
     )
+
+
+def window_steps(layer_ref, first_pos, valid, kv_len, n_steps, cfg: KernelConfig):
+    """A tile's key steps under a window (`cfg.windowed`; layer_ref [2] = [layer,
+    window]): (the first step holding a key of the tile's first row's window, the first
+    step whose keys are all in every row's window, (window, kv_lo)); without one (0, 0,
+    None). Row q_pos sees keys > q_pos - window, so the tile's rows (positions first_pos
+    .. first_pos + valid - 1) see no key below kv_lo = first_pos - window + 1, and every
+    row sees the keys from first_pos + valid - window to first_pos."""
+    if not cfg.windowed:
+        return 0, 0, None
+    window = layer_ref[1]
+    kv_lo = jnp.clip(first_pos - window + 1, 0, kv_len)
+    every = jnp.clip(first_pos + valid - window, 0, kv_len)
+    first = jnp.minimum(kv_lo // cfg.block_kv, n_steps)
+    return first, -(-every // cfg.block_kv), (window, kv_lo)
 
 
 def num_tiles(num_tokens: int, num_seqs: int, tile_tokens: int) -> int:

@@ -98,9 +98,11 @@ class BlockManager:
                 self._free.move_to_end(block, last=False)
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Releases one reference to each block, deepest first (leaves-first eviction)."""
+        """Releases one reference to each block, deepest first (leaves-first eviction);
+        null entries (a sliding-window table's freed blocks) hold none and are skipped."""
         for block in reversed(list(blocks)):
-            self.decref(block)
+            if block != NULL_BLOCK:
+                self.decref(block)
 
     def mark_cached(self, block: int) -> None:
         """The block became a prefix-trie node (it must be in use)."""

@@ -7,7 +7,9 @@ at least one prompt token to compute, since its logits are needed). Full blocks 
 this step are inserted into the trie at schedule time, so a sequence scheduled later in
 the same step can share them (the runner writes each layer's K/V before attending).
 When blocks run out, unreferenced cached blocks are evicted (LRU, leaves first), then
-the most recently arrived running sequence is preempted by recompute.
+the most recently arrived running sequence is preempted by recompute. In a model whose
+every layer has a sliding window, a sequence frees the blocks that fell out of its
+window as it advances (their table entries become the null block).
 
 Scheduled tokens count as computed as soon as they are scheduled (the device runs the
 steps in order), and a sampled token counts as pending until `update` appends it. So the
@@ -28,6 +30,7 @@ from jprefix.core.config import SchedulerConfig
 from jprefix.core.policies import make_policy
 from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.sequence import Sequence, SequenceStatus
+from jprefix.core.sliding_window import release_outside_window
 
 
 class ScheduledSeq(NamedTuple):
@@ -64,11 +67,15 @@ class Scheduler:
     """Host-side scheduler; `schedule()` and `update()` alternate, one pair per step."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 prefix_pool: PrefixPool):
+                 prefix_pool: PrefixPool, sliding_window: int | None = None):
+        """`sliding_window`: every layer's window, if all have one (`sliding_window.py`)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.config = config
         self.block_manager = block_manager
         self.prefix_pool = prefix_pool
         self.block_size = block_manager.block_size
+        self.sliding_window = sliding_window
         self.waiting = make_policy(config.policy, prefix_pool)
         self.running: dict[str, Sequence] = {}  # in arrival order
         self._running_sorted = True
@@ -119,12 +126,15 @@ class Scheduler:
         # Python code).
         running, block_size, new = SequenceStatus.RUNNING, self.block_size, tuple.__new__
         caching, append = self.config.enable_prefix_caching, out.scheduled.append
+        window = self.sliding_window
         for seq in list(self.running.values()):
             if budget == 0:
                 break
             if seq.status is not running:  # preempted earlier this step
                 continue
             start = seq.num_computed_tokens
+            if window is not None and start >= window + block_size - 1:
+                release_outside_window(seq, start, window, self.block_manager)
             scheduled_tokens = len(seq.all_token_ids) + seq.num_pending
             remaining = scheduled_tokens - start
             if remaining == 0 or scheduled_tokens >= seq.token_limit:
@@ -186,6 +196,9 @@ class Scheduler:
         the sequence cannot start this step."""
         if self.config.enable_prefix_caching:
             self._match(seq)
+            if self.sliding_window is not None:  # a hit longer than the window
+                release_outside_window(seq, seq.num_computed_tokens, self.sliding_window,
+                                       self.block_manager)
         remaining = seq.num_tokens - seq.num_computed_tokens
         chunk = self._can_chunk(seq)
         n = self._tokens_that_fit(seq, min(remaining, budget) if chunk else remaining)

@@ -87,7 +87,8 @@ class LLMEngine(EngineFront):
             max_model_len=self.max_model_len,
         )
         blocks = BlockManager(num_blocks, self.args.block_size)
-        return Scheduler(cfg, blocks, PrefixPool(blocks))
+        return Scheduler(cfg, blocks, PrefixPool(blocks),
+                         sliding_window=self.model.config.uniform_sliding_window)
 
     @property
     def tokenizer(self):
@@ -174,7 +175,10 @@ class LLMEngine(EngineFront):
 
     def _cascade_plan(self, out: SchedulerOutput) -> CascadePlan | None:
         """The step's cascade grouping, when cascade attention is on (read every step)."""
-        if not (self.args.enable_cascade and self.args.enable_prefix_caching):
+        # (a sequence freeing its blocks outside its window breaks the plans' shared
+        # prefixes; windowed layers do not share them anyway: `cascade_attention`)
+        if not (self.args.enable_cascade and self.args.enable_prefix_caching) or (
+                self.scheduler.sliding_window is not None):
             self.cascade_planner.forget()
             return None
         return self.cascade_planner.plan(out.scheduled)

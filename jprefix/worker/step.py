@@ -19,7 +19,6 @@ cache (k, v, k_scale, v_scale), whose scales every write and attention op takes
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -50,6 +49,7 @@ from models.llama import (
     dense_linear,
     forward,
 )
+from models.window import layer_window
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
@@ -75,10 +75,10 @@ def default_backend() -> str:
 
 
 def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch,
-               scale, alibi_slopes=None):
-    """Paged attention of the step's rows against `cache` (a `KVCache` tuple)."""
+               scale, alibi_slopes=None, window=None):
+    """Paged attention of the step's rows against `cache` (`KVCache`) in the layer's window."""
     k_cache, v_cache = cache[:2]
-    kw = dict(alibi_slopes=alibi_slopes, **scale_kwargs(cache))
+    kw = dict(alibi_slopes=alibi_slopes, sliding_window=window, **scale_kwargs(cache))
     if cascade:
         return cascade_attention(
             q, k_cache, v_cache, layer, batch["prefix_block_tables"], batch["prefix_kv_lens"],
@@ -110,6 +110,8 @@ def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
     min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
 
     def linear(x, w, act=None):
+        if act not in (None, "silu_mul"):  # (the kernel fuses SwiGLU only: Gemma's GeGLU)
+            return dense_linear(x, w, act)
         fp8 = isinstance(w, Fp8Weight)
         n = w.shape[1] // (2 if act == "silu_mul" else 1)
         x2 = x.reshape(-1, x.shape[-1])
@@ -154,8 +156,8 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
             qkv, positions, batch["slot_mapping"], *cache[:2], layer, inv_freq,
             num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
             interpret=backend == "pallas-interpret", **scale_kwargs(cache))
-        out = _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale)
-        return out, tuple(cache)
+        return _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale,
+                          window=layer_window(cfg.layer_windows, layer)), tuple(cache)
 
     run = per_shard_qkv(local, mesh)
 
@@ -249,7 +251,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
     logits [E, V] (`extra`; else None), kv_cache)."""
     batch = unflatten_batch(flat, layout)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
+    scale = cfg.attn_scale
     src = batch["token_src"]
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], batch["token_ids"])
 
@@ -258,9 +260,8 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
 
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
         cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
-        out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
-                         alibi_slopes)
-        return out, cache
+        return _attention(backend, decode, cascade, q, cache, layer, batch, scale,
+                          alibi_slopes, layer_window(cfg.layer_windows, layer)), cache
 
     local = per_shard(write_and_attend, mesh)
 
