@@ -22,14 +22,21 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
     the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
     buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
-    matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
+    matmul each (layout "fused"; per shard under a mesh, `Params.shards`); on the CPU by
+    default (`unroll_layers` None, one device) per-layer unfused buffers (layout
+    "per_layer"), which the step scans (`worker.layer_switch`). Idempotent.
     `donate`: the caller hands the weights over, so the input buffers the result does
     not reuse are freed at once (one copy of the weights on the device, not two, before
     the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
     fp8 (one device; `layout.quantize_linears`: the last layer's MLP stays in the model
     dtype, except for an fp8 checkpoint)."""
-    if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
-        unroll_layers = jax.default_backend() == "gpu"
+    gpu = jax.default_backend() == "gpu"
+    if unroll_layers is None and not gpu and mesh is None and params.layout == "stacked":
+        # CPU: per-layer buffers scanned, each matmul reading its layer's own buffer
+        # (`worker.layer_switch`): no per-step weight copy, one compiled layer
+        params = unstack_layers(params)
+    if unroll_layers is None:  # GPU: unrolled (fused); CPU: under lax.scan
+        unroll_layers = gpu
     given = params
     if mesh is not None and params.layout == "stacked":  # (per-layer ones are sharded)
         params = replicate_kv_heads(shard_params(params, cfg, mesh), cfg, mesh)

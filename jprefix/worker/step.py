@@ -4,7 +4,9 @@
 tokens: per layer it writes the new K/V into the paged cache at `slot_mapping`, then runs
 paged attention for every sequence (write-then-attend, so blocks written this step by one
 sequence can be read by another in the same step). The cache is donated and updated in
-place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`).
+place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`);
+per-layer weight buffers on the XLA backend run under one scan, each matmul reading its
+layer's buffer in place (`worker.layer_switch`: the CPU's layout).
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
 `write_kv` and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant
@@ -30,6 +32,7 @@ from jprefix.core.sampling_params import MAX_LOGPROBS
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
+from jprefix.worker.layer_switch import scan_params, scans_layer_buffers, switched_linear
 from jprefix.worker.logits_processing import process_logits, token_logprobs
 from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
 from jprefix.worker.sampler import sample
@@ -257,8 +260,12 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     def attn_fn(q, k, v, cache, layer):
         return local(q, k, v, tuple(cache), slopes, layer, batch)
 
-    hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
-                               _linear(backend, mesh),
+    linear = _linear(backend, mesh)
+    layers = params
+    if scans_layer_buffers(params, backend, mesh):  # (the CPU: `worker.layer_switch`)
+        layers, linear = scan_params(params), switched_linear(linear, params.layers)
+    hidden, kv_cache = forward(layers, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
+                               linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
                                _col_linear(backend, mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
