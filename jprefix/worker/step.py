@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jprefix.core.sampling_params import MAX_LOGPROBS
 from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
+from jprefix.worker.kv_bits import compact, write_bits
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
 from jprefix.worker.layer_switch import scan_params, scans_layer_buffers, switched_linear
 from jprefix.worker.logits_processing import process_logits, token_logprobs
@@ -158,7 +159,7 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     return qkv_attn_fn
 
 
-_STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra")
+_STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra", "kv_format")
 _STEP_STATIC = (*_STATIC, "greedy")
 
 
@@ -174,7 +175,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
          token_bitmask: jax.Array | None = None, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
          greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None,
-         extra: bool = False):
+         extra: bool = False, kv_format: str | None = None):
     """One engine step: returns (sampled token ids [P], updated kv_cache), P =
     `prev_tokens.size` (rows beyond the batch are padding); with `extra`, a third item,
     the logprobs (`_extra_sampling`).
@@ -192,12 +193,15 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     processing stage see the grammar's -inf.
     `extra` (some row has penalties, min_p, a logit bias or wants logprobs: the batch
     carries `logits_processing`'s arrays) processes the logits before sampling.
+    `kv_format` (a name, e.g. "float8_e4m3fn"): the cache is stored as integer bits of
+    that format (`worker.kv_bits`, the CPU's fp8 and 16-bit caches); None: as itself.
 
     `step_logits` then `step_sample` compute the same in two programs, for a step whose
     bitmask is filled on the host while the first runs.
     """
     batch, token_ids, logits, prompt_logits, kv_cache = _model(
-        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra)
+        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra,
+        kv_format)
     tokens, logprobs = _sample(logits, prompt_logits, batch, token_ids, prev_tokens,
                                token_bitmask, greedy, extra, mesh)
     return (tokens, kv_cache) if logprobs is None else (tokens, kv_cache, logprobs)
@@ -206,12 +210,14 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
 @functools.partial(_jit_step, static=_STATIC)
 def step_logits(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
                 layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
-                cascade: bool = False, mesh: Mesh | None = None, extra: bool = False):
+                cascade: bool = False, mesh: Mesh | None = None, extra: bool = False,
+                kv_format: str | None = None):
     """`step` up to the logits: returns (logits [S, V] float32, the prompt-logprobs
     entries' logits (`extra`; else None), the step's token ids [T], kv_cache), which
     `step_sample` takes."""
     _, token_ids, logits, prompt_logits, kv_cache = _model(
-        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra)
+        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra,
+        kv_format)
     return logits, prompt_logits, token_ids, kv_cache
 
 
@@ -238,9 +244,10 @@ def compiled_steps(fp8_weights: bool) -> tuple[Callable, Callable]:
 
 
 def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
-           extra):
+           extra, kv_format=None):
     """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
-    logits [E, V] (`extra`; else None), kv_cache)."""
+    logits [E, V] (`extra`; else None), kv_cache). `kv_format`: the element format of a
+    cache stored as integer bits (`worker.kv_bits`), None for a cache stored as itself."""
     batch = unflatten_batch(flat, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     src = batch["token_src"]
@@ -250,6 +257,12 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     slopes = None if slopes is None else jnp.asarray(slopes)
 
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
+        if kv_format is not None:  # a cache stored as integer bits (`worker.kv_bits`)
+            cache = write_bits(cache, layer, k, v, batch["slot_mapping"], kv_format)
+            view, tables = compact(cache, layer, batch, cascade, kv_format)
+            out = _attention(backend, decode, cascade, q, view, jnp.int32(0),
+                             {**batch, **tables}, scale, alibi_slopes)
+            return out, cache
         cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
         out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
                          alibi_slopes)
