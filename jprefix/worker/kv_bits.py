@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from pallas_kernels.fp8 import quantize_rows
 from pallas_kernels.kv_cache import write_kv
@@ -35,6 +36,31 @@ def bits_dtype(dtype) -> jnp.dtype | None:
     (stored as themselves)."""
     size = jnp.dtype(dtype).itemsize
     return None if size >= 4 else jnp.dtype(f"uint{8 * size}")
+
+
+def bits_format(dtype, backend: str, mesh: Mesh | None) -> str | None:
+    """The step's `kv_format` for a runner's cache of `dtype`: its name where the cache
+    is stored as bits (`bits_dtype`: on the CPU, with the XLA backend, on one device),
+    else None (stored as itself)."""
+    cpu = backend == "xla" and mesh is None and jax.default_backend() == "cpu"
+    return jnp.dtype(dtype).name if cpu and bits_dtype(dtype) is not None else None
+
+
+def stored_values(cache: tuple, kv_format: str | None) -> tuple:
+    """`cache` with K and V in their element format (a copy where stored as bits)."""
+    if kv_format is None:
+        return cache
+    return (*(_bitcast(x, jnp.dtype(kv_format)) for x in cache[:2]), *cache[2:])
+
+
+def write_and_attend(attend, q, k, v, cache: tuple, layer, batch: dict, cascade: bool,
+                     kv_format: str) -> tuple:
+    """The step's KV write and attention on a bits cache: `write_bits`, then
+    `attend(q, view, layer 0, batch with the renumbered tables)` over `compact`'s view.
+    Returns (attention output, the updated cache)."""
+    cache = write_bits(cache, layer, k, v, batch["slot_mapping"], kv_format)
+    view, tables = compact(cache, layer, batch, cascade, kv_format)
+    return attend(q, view, jnp.int32(0), {**batch, **tables}), cache
 
 
 def _bitcast(x: jax.Array, dtype) -> jax.Array:

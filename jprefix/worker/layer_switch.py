@@ -39,10 +39,14 @@ class LayerWeight:
     field: str = dataclasses.field(metadata={"static": True})
 
 
-def scans_layer_buffers(params: Params, backend: str, mesh: Mesh | None) -> bool:
-    """Whether the step runs `params` this way: per-layer (unfused) buffers on the XLA
-    backend on one device (`worker.params.prepare_params` makes them so on the CPU)."""
-    return params.layout == "per_layer" and backend == "xla" and mesh is None
+def layer_loop(params: Params, linear: LinearFn, backend: str, mesh: Mesh | None
+               ) -> tuple[Params, LinearFn]:
+    """The params and linear the step hands `forward`: per-layer (unfused) buffers on the
+    XLA backend on one device (`worker.params.prepare_params` makes them so on the CPU)
+    as `scan_params` and `switched_linear`; anything else as it is."""
+    if params.layout == "per_layer" and backend == "xla" and mesh is None:
+        return scan_params(params), switched_linear(linear, params.layers)
+    return params, linear
 
 
 def scan_params(params: Params) -> Params:

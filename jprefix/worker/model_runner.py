@@ -20,7 +20,7 @@ from jprefix.core.cascade import CascadePlan
 from jprefix.worker import multihost, xla_flags
 from jprefix.worker.fixed_inputs import FixedInputs
 from jprefix.worker.input_batch import StepPacker
-from jprefix.worker.kv_bits import bits_dtype
+from jprefix.worker.kv_bits import bits_dtype, bits_format, stored_values
 from jprefix.worker.kv_cache import auto_num_blocks, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import (
@@ -117,14 +117,10 @@ class ModelRunner:
         home = placed
         if home is None and mesh is None:
             home = SingleDeviceSharding(next(iter(jax.tree.leaves(self.params)[0].devices())))
-        # On the CPU (XLA backend, one device) an fp8 or 16-bit cache is stored as
-        # integer bits, `kv_format` naming its format for the step (`worker.kv_bits`)
-        bits = (bits_dtype(self.kv_dtype) if backend == "xla" and mesh is None
-                and jax.default_backend() == "cpu" else None)
-        self.kv_format = None if bits is None else self.kv_dtype.name
+        self.kv_format = bits_format(self.kv_dtype, backend, mesh)  # (`worker.kv_bits`)
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
-            cfg, num_blocks, block_size, self.kv_dtype,
-            home if mesh is None else kv_sharding(mesh), stored_as=bits)
+            cfg, num_blocks, block_size, self.kv_dtype, home if mesh is None else
+            kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype))
         self.packer = StepPacker(block_size, self.buckets)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
@@ -162,13 +158,8 @@ class ModelRunner:
         return self._kv_cache
 
     def kv_cache_values(self) -> KVCache:
-        """`kv_cache` with K and V in their element format (a copy where they are stored
-        as bits): for inspection, not for steps."""
-        cache = self.kv_cache
-        if self.kv_format is None:
-            return cache
-        fmt = jnp.dtype(self.kv_format)
-        return (*(jax.lax.bitcast_convert_type(x, fmt) for x in cache[:2]), *cache[2:])
+        """`kv_cache` with K and V in their element format (for inspection)."""
+        return stored_values(self.kv_cache, self.kv_format)
 
     def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None,
                  token_masks: dict[Any, np.ndarray] | None = None,

@@ -5,8 +5,7 @@ tokens: per layer it writes the new K/V into the paged cache at `slot_mapping`, 
 paged attention for every sequence (write-then-attend, so blocks written this step by one
 sequence can be read by another in the same step). The cache is donated and updated in
 place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`);
-per-layer weight buffers on the XLA backend run under one scan, each matmul reading its
-layer's buffer in place (`worker.layer_switch`: the CPU's layout).
+the CPU's per-layer buffers run under one scan (`worker.layer_switch`).
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
 `write_kv` and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant
@@ -29,11 +28,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jprefix.core.sampling_params import MAX_LOGPROBS
-from jprefix.worker import xla_flags
+from jprefix.worker import kv_bits, xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
-from jprefix.worker.kv_bits import compact, write_bits
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
-from jprefix.worker.layer_switch import scan_params, scans_layer_buffers, switched_linear
+from jprefix.worker.layer_switch import layer_loop
 from jprefix.worker.logits_processing import process_logits, token_logprobs
 from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
 from jprefix.worker.sampler import sample
@@ -193,8 +191,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     processing stage see the grammar's -inf.
     `extra` (some row has penalties, min_p, a logit bias or wants logprobs: the batch
     carries `logits_processing`'s arrays) processes the logits before sampling.
-    `kv_format` (a name, e.g. "float8_e4m3fn"): the cache is stored as integer bits of
-    that format (`worker.kv_bits`, the CPU's fp8 and 16-bit caches); None: as itself.
+    `kv_format`: the cache's format if stored as integer bits (`worker.kv_bits`).
 
     `step_logits` then `step_sample` compute the same in two programs, for a step whose
     bitmask is filled on the host while the first runs.
@@ -246,8 +243,7 @@ def compiled_steps(fp8_weights: bool) -> tuple[Callable, Callable]:
 def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
            extra, kv_format=None):
     """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
-    logits [E, V] (`extra`; else None), kv_cache). `kv_format`: the element format of a
-    cache stored as integer bits (`worker.kv_bits`), None for a cache stored as itself."""
+    logits [E, V] (`extra`; else None), kv_cache)."""
     batch = unflatten_batch(flat, layout)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     src = batch["token_src"]
@@ -258,11 +254,9 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
 
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
         if kv_format is not None:  # a cache stored as integer bits (`worker.kv_bits`)
-            cache = write_bits(cache, layer, k, v, batch["slot_mapping"], kv_format)
-            view, tables = compact(cache, layer, batch, cascade, kv_format)
-            out = _attention(backend, decode, cascade, q, view, jnp.int32(0),
-                             {**batch, **tables}, scale, alibi_slopes)
-            return out, cache
+            return kv_bits.write_and_attend(functools.partial(
+                _attention, backend, decode, cascade, scale=scale, alibi_slopes=alibi_slopes),
+                q, k, v, cache, layer, batch, cascade, kv_format)
         cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
         out = _attention(backend, decode, cascade, q, cache, layer, batch, scale,
                          alibi_slopes)
@@ -273,10 +267,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     def attn_fn(q, k, v, cache, layer):
         return local(q, k, v, tuple(cache), slopes, layer, batch)
 
-    linear = _linear(backend, mesh)
-    layers = params
-    if scans_layer_buffers(params, backend, mesh):  # (the CPU: `worker.layer_switch`)
-        layers, linear = scan_params(params), switched_linear(linear, params.layers)
+    layers, linear = layer_loop(params, _linear(backend, mesh), backend, mesh)
     hidden, kv_cache = forward(layers, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
