@@ -121,7 +121,8 @@ def run(args) -> dict:
 
     loads = [os.getloadavg()]
     path = fetch_embedded(MODEL)
-    out: dict = {"model": MODEL, "cpus": os.cpu_count(), "args": vars(args)}
+    out: dict = {"model": MODEL, "cpus": os.cpu_count(),
+                 "args": {k: str(v) for k, v in vars(args).items()}}
     if not args.skip_startup:
         out["cli_first_text_s"] = cli_first_text_s()
     t0 = time.perf_counter()
