@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): config from metadata, tensors dequantized with the `gguf` package.
+"""GGUF files (llama.cpp): config from metadata, tensors dequantized with the `gguf` package
+(the file read once by `models.gguf_file`).
 
 llama.cpp's converter permutes the rows of Q/K projections of the `llama` architecture for
 its interleaved RoPE; we undo it so the weights use Hugging Face's rotate_half layout.
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from models.config import ModelConfig
+from models.gguf_file import GGUFFile, read_gguf
 from models.llama import Params
 from models.weights import build_params
 
@@ -41,34 +43,23 @@ def gguf_tensor_name(field: str, layer: int | None, moe: bool = False) -> str:
     return f"blk.{layer}.{names[field]}"
 
 
-def open_gguf(path: Path) -> Any:
-    """A gguf.GGUFReader, with library errors on truncated/corrupt files re-raised as ValueError."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
-        raise ValueError(f"{path}: truncated or corrupt GGUF file ({e})") from e
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ValueError(f"{path}: truncated GGUF file: tensor {t.name} ends past the "
-                             f"end of the file ({size} bytes)")
-    return reader
+def open_gguf(path: Path) -> GGUFFile:
+    """The GGUF file read once (`models.gguf_file`: ValueError on truncated or corrupt
+    files)."""
+    return read_gguf(path)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def gguf_config(reader: Any, path: Path) -> ModelConfig:
+def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """ModelConfig from GGUF metadata (`<arch>.block_count`, ... and tokenizer ids)."""
     gguf_arch = _field(reader, "general.architecture")
     if gguf_arch not in _ARCHS:
         raise ValueError(f"{path}: unknown GGUF architecture {gguf_arch!r}; "
                          f"supported: {sorted(_ARCHS)}")
-    names = {t.name for t in reader.tensors}
+    names = reader.tensors.keys()
     if "rope_freqs.weight" in names:
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) "
                          "are not supported; load the Hugging Face checkpoint instead")
@@ -119,14 +110,16 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path, dtype: Any, shardings: Params | None = None,
+def load_gguf(path: Path | GGUFFile, dtype: Any, shardings: Params | None = None,
               ) -> tuple[Params, ModelConfig]:
-    """Dequantize a GGUF file into device Params of `dtype`, one tensor at a time."""
+    """Dequantize a GGUF file (a path, or the file `open_gguf` read) into device Params of
+    `dtype`, one tensor at a time."""
     import gguf
 
-    reader = open_gguf(path)
+    reader = path if isinstance(path, GGUFFile) else open_gguf(path)
+    path = reader.path
     cfg = gguf_config(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
     unpermute = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads,
                  "bk": cfg.num_kv_heads} if cfg.arch in ("llama", "mixtral") else {}
 
@@ -135,11 +128,12 @@ def load_gguf(path: Path, dtype: Any, shardings: Params | None = None,
         if name not in tensors:
             raise ValueError(f"{path}: missing tensor {name}")
         t = tensors[name]
+        kind = gguf.GGMLQuantizationType(t.tensor_type)
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = gguf.quants.dequantize(t.data, kind)
         except (ValueError, NotImplementedError) as e:
-            raise ValueError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {e}") from e
-        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
+            raise ValueError(f"{path}: cannot dequantize {name} ({kind.name}): {e}") from e
+        w = w.reshape(t.shape[::-1])
         if field in unpermute:
             w = unpermute_rope_rows(w, unpermute[field])
         return w, f"{path}: tensor {name}"

@@ -14,16 +14,17 @@ from typing import Any
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def gguf_tokenizer(path: Path) -> Any:
-    """A transformers fast tokenizer for the GGUF at `path`; ValueError if it has none."""
-    import gguf
+def gguf_tokenizer(path: Path, fields: dict[str, Any] | None = None) -> Any:
+    """A transformers fast tokenizer for the GGUF at `path`; ValueError if it has none.
+    `fields`: the file's metadata if the caller read it already (`models.gguf_file`)."""
+    if fields is None:
+        from models.gguf_file import read_gguf
 
-    fields = gguf.GGUFReader(str(path)).fields
+        fields = read_gguf(path).fields
     if "tokenizer.ggml.model" not in fields:
         raise ValueError(f"{path}: the GGUF carries no tokenizer")
-    if fields["tokenizer.ggml.model"].contents() == "gpt2":
-        return _byte_level_bpe({k: f.contents() for k, f in fields.items()
-                                if k.startswith("tokenizer.")})
+    if fields["tokenizer.ggml.model"] == "gpt2":
+        return _byte_level_bpe({k: v for k, v in fields.items() if k.startswith("tokenizer.")})
     return _transformers_gguf_tokenizer(path)
 
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from models.config import PRESETS, ModelConfig
 from models.fetch import EMBEDDED, fetch_embedded, snapshot
-from models.gguf_loader import load_gguf
+from models.gguf_loader import gguf_config, load_gguf, open_gguf
 from models.layout import param_shardings
 from models.llama import Params
 from models.safetensors_loader import load_hf_checkpoint, read_hf_config
@@ -74,8 +74,9 @@ def load(model: str | os.PathLike = DEFAULT_MODEL, dtype: Any = "bfloat16",
     if is_gguf:
         if path.is_dir():
             path = _single_gguf(path)
-        params, cfg = load_gguf(path, dt, _shardings(mesh, path))
-        tok = _tokenizer(tokenizer) if tokenizer else _gguf_tokenizer(path)
+        gguf = open_gguf(path)  # (read once: config, weights and tokenizer)
+        params, cfg = load_gguf(gguf, dt, _shardings(mesh, gguf_config(gguf, path)))
+        tok = _tokenizer(tokenizer) if tokenizer else _gguf_tokenizer(path, gguf.fields)
     else:
         if not path.is_dir():
             raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
@@ -161,8 +162,6 @@ def _shardings(mesh: Mesh | None, cfg_or_path: Any) -> Params | None:
 def _config_of(path: Path) -> ModelConfig:
     if path.is_dir() and (path / "config.json").exists():
         return read_hf_config(path)
-    from models.gguf_loader import gguf_config, open_gguf
-
     path = _single_gguf(path) if path.is_dir() else path
     return gguf_config(open_gguf(path), path)
 
@@ -179,7 +178,7 @@ def _tokenizer(source: str | os.PathLike | None) -> Any:
     return AutoTokenizer.from_pretrained(os.fspath(source))
 
 
-def _gguf_tokenizer(path: Path) -> Any:
+def _gguf_tokenizer(path: Path, fields: dict[str, Any]) -> Any:
     from models.gguf_tokenizer import gguf_tokenizer
 
-    return gguf_tokenizer(path)
+    return gguf_tokenizer(path, fields)

@@ -12,8 +12,9 @@ slow path for possibly colliding indices (docs/KERNEL_NOTES.md).
 With an fp8 cache (`fp8.py`: fp8 K/V plus float32 scales [L, K, N, B]) each new row is
 quantised with its own scale (`fp8.quantize_rows`) and the scale scattered next to it.
 
-On XLA:CPU a bfloat16 or fp8 scatter is upcast through a whole-cache float32 conversion
-on every write (O(cache)), so CPU runs should keep float32 caches (or small fp8 ones).
+On XLA:CPU a bfloat16 or fp8 scatter is upcast through a conversion of the whole cache
+on every write (O(cache)); an integer scatter is not, so the engine stores such caches
+there as unsigned-integer bits and writes bitcast rows into them (`jprefix.worker.kv_bits`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def compile_step(runner: ModelRunner, scheduled) -> jax.stages.Compiled:
     return step.lower(runner.params, runner.kv_cache, flat,
                       jnp.zeros(runner.max_rows, jnp.int32), layout=layout, cfg=runner.cfg,
                       backend=runner.backend, decode=decode, greedy=True,
-                      mesh=runner.mesh).compile()
+                      mesh=runner.mesh, kv_format=runner.kv_format).compile()
 
 
 def step_memory_report(runner: ModelRunner, num_tokens: int = 16) -> dict[str, int]:

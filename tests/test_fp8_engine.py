@@ -62,7 +62,7 @@ def test_fp8_greedy_tokens_identical_with_prefix_cache_on_off_and_dense(sharp, b
                   kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=caching,
                   enable_cascade=cascade, cascade_min_group=2, cascade_min_blocks=1,
                   unroll_layers=True)  # (as on a GPU: fused Q/K/V, rope_write_kv)
-        assert llm.engine.runner.kv_cache[0].dtype == fp8
+        assert llm.engine.runner.kv_cache_values()[0].dtype == fp8
         assert len(llm.engine.runner.kv_cache) == 4
         pos = None if prefix_pos is None else [prefix_pos] * 4 + [0]  # (the loner: 0)
         llm.generate(prompts[:1], sp, prefix_pos=prefix_pos, use_tqdm=False)  # warm cache
@@ -83,11 +83,11 @@ def test_fp8_cache_differs_from_the_float_cache_only_by_quantisation(sharp):
     prompt = _prompts(cfg.vocab_size, np.random.default_rng(2))[0]
     llm = LLM(sharp, block_size=BS, num_kv_blocks=64, attention_backend="xla",
               kv_cache_dtype="fp8")
-    k = np.asarray(llm.engine.runner.kv_cache[0], np.float32)
+    k = np.asarray(llm.engine.runner.kv_cache_values()[0], np.float32)
     assert not k.any()  # zeroed cache, scales 1
     assert np.all(np.asarray(llm.engine.runner.kv_cache[2]) == 1.0)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    k8 = llm.engine.runner.kv_cache[0]
+    k8 = llm.engine.runner.kv_cache_values()[0]
     assert np.asarray(k8, np.float32).any()
     # every written row reaches the format's largest magnitude (its own scale)
     written = np.abs(np.asarray(k8, np.float32)).max(axis=-1)

@@ -20,8 +20,8 @@ QUANTIZATIONS = (None, "fp8")
 def resolve_dtype(dtype: Any, model: Any = None) -> Any:
     """The concrete dtype "auto" stands for, any other value unchanged (the loader parses it).
 
-    "auto": float32 when jax computes on the CPU (bf16 there converts every KV write and
-    matmul, which makes it many times slower than float32); on an accelerator the
+    "auto": float32 when jax computes on the CPU (XLA:CPU converts every bf16 matmul to
+    float32, which makes bf16 several times slower there); on an accelerator the
     checkpoint's own `torch_dtype` when `model` is a Hugging Face directory that names a
     float dtype, else bfloat16. Reading the backend initialises jax: call it after the XLA
     flags are set (`worker.xla_flags.apply`).

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.worker import multihost, xla_flags
 from jprefix.worker.model_runner import ModelRunner
@@ -54,7 +56,8 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
                          tokenizer=args.tokenizer)
     runner = ModelRunner(
         model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
-        backend=args.attention_backend, buckets=BucketConfig(min_seqs=8),
+        backend=args.attention_backend,
+        buckets=BucketConfig(min_seqs=8, single_stream=jax.default_backend() == "cpu"),
         unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
         fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,

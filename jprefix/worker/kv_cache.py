@@ -5,7 +5,9 @@ A cache is `(k, v)`, each `[L, K, N, B, D]` in the model's dtype, or for fp8
 `(k, v, k_scale, v_scale)`: fp8 K/V plus one float32 scale per (layer, kv head, block,
 slot) row (`pallas_kernels/fp8.py` owns the format: per-row scales chosen on write).
 Every attention op and both KV writes take the scales as keyword arguments
-(`scale_kwargs`); the cache tuple travels through the model unchanged.
+(`scale_kwargs`); the cache tuple travels through the model unchanged. On the CPU with
+the XLA backend an fp8 or 16-bit cache is stored as unsigned-integer bits
+(`worker.kv_bits`: XLA:CPU would convert the whole cache on every write).
 """
 
 from __future__ import annotations
@@ -56,11 +58,14 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
 
 
 def empty_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any,
-                   sharding: Any = None) -> KVCache:
+                   sharding: Any = None, stored_as: Any = None) -> KVCache:
     """A zeroed cache of `num_blocks` blocks, created in place (sharded by kv heads under
-    `sharding`); fp8 scales start at 1 (never 0)."""
+    `sharding`); fp8 scales start at 1 (never 0). `stored_as`: the integer dtype whose
+    bits hold the values (`worker.kv_bits`, the CPU's fp8 and 16-bit caches); zero bits
+    are zeros in every float format."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    store = dtype if stored_as is None else stored_as
+    zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
     if not is_fp8(dtype):
         return zeros(), zeros()
     ones = jax.jit(lambda: jnp.ones(shape[:-1], SCALE_DTYPE), out_shardings=sharding)

@@ -20,6 +20,7 @@ from jprefix.core.cascade import CascadePlan
 from jprefix.worker import multihost, xla_flags
 from jprefix.worker.fixed_inputs import FixedInputs
 from jprefix.worker.input_batch import StepPacker
+from jprefix.worker.kv_bits import bits_dtype, bits_format, stored_values
 from jprefix.worker.kv_cache import auto_num_blocks, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import (
@@ -116,9 +117,10 @@ class ModelRunner:
         home = placed
         if home is None and mesh is None:
             home = SingleDeviceSharding(next(iter(jax.tree.leaves(self.params)[0].devices())))
+        self.kv_format = bits_format(self.kv_dtype, backend, mesh)  # (`worker.kv_bits`)
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
-            cfg, num_blocks, block_size, self.kv_dtype,
-            home if mesh is None else kv_sharding(mesh))
+            cfg, num_blocks, block_size, self.kv_dtype, home if mesh is None else
+            kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype))
         self.packer = StepPacker(block_size, self.buckets)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
@@ -149,10 +151,15 @@ class ModelRunner:
 
     @property
     def kv_cache(self) -> KVCache:
-        """The KV cache after every step dispatched so far (waits for their launches)."""
+        """The KV cache after every step dispatched so far (waits for their launches), as
+        stored (integer bits where `kv_format` is set)."""
         if self._last_launch is not None:
             self._last_launch.result()
         return self._kv_cache
+
+    def kv_cache_values(self) -> KVCache:
+        """`kv_cache` with K and V in their element format (for inspection)."""
+        return stored_values(self.kv_cache, self.kv_format)
 
     def dispatch(self, scheduled: Seq, plan: CascadePlan | None = None,
                  token_masks: dict[Any, np.ndarray] | None = None,
@@ -191,7 +198,8 @@ class ModelRunner:
                     *logits, self._kv_cache = self._step_logits(
                         self.params, self._kv_cache, flat_in, self._last_tokens, layout=layout,
                         cfg=self.cfg, backend=self.backend, decode=kind.decode,
-                        cascade=kind.cascade, mesh=self.mesh, extra=kind.extra)
+                        cascade=kind.cascade, mesh=self.mesh, extra=kind.extra,
+                        kv_format=self.kv_format)
                     return *logits, flat_in
                 step_args = (flat, layout, bitmask, kind.decode, greedy, kind.cascade,
                              kind.extra)
@@ -259,7 +267,8 @@ class ModelRunner:
         tokens, self._kv_cache, *logprobs = self._step(
             self.params, self._kv_cache, flat_in, self._last_tokens, bitmask,
             layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
-            greedy=greedy, cascade=cascade, mesh=self.mesh, extra=extra)
+            greedy=greedy, cascade=cascade, mesh=self.mesh, extra=extra,
+            kv_format=self.kv_format)
         self._last_tokens = tokens
         return tokens, (logprobs[0] if logprobs else None)
 

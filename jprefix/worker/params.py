@@ -3,16 +3,19 @@ per layer with fused projections on GPU, optionally quantised to fp8."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jprefix.worker.kv_cache import check_fp8_device
 from jprefix.worker.parallel import replicate_kv_heads, shard_params, tp_config
 from models.config import ModelConfig
 from models.layout import fuse_projections, quantize_linears, unstack_layers
+from models.llama import LayerParams, Params
 
 
 def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
@@ -22,14 +25,21 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     over `mesh` (kv heads replicated where fewer than the shards: `parallel.tp_config`,
     the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
     buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
-    matmul each (layout "fused"; per shard under a mesh, `Params.shards`). Idempotent.
+    matmul each (layout "fused"; per shard under a mesh, `Params.shards`); on the CPU by
+    default (`unroll_layers` None, one device) per-layer unfused buffers (layout
+    "per_layer"), which the step scans (`worker.layer_switch`). Idempotent.
     `donate`: the caller hands the weights over, so the input buffers the result does
     not reuse are freed at once (one copy of the weights on the device, not two, before
     the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
     fp8 (one device; `layout.quantize_linears`: the last layer's MLP stays in the model
     dtype, except for an fp8 checkpoint)."""
-    if unroll_layers is None:  # GPU: unrolled; CPU: lax.scan compiles faster
-        unroll_layers = jax.default_backend() == "gpu"
+    gpu = jax.default_backend() == "gpu"
+    if unroll_layers is None and not gpu and mesh is None and params.layout == "stacked":
+        # CPU: per-layer buffers scanned, each matmul reading its layer's own buffer
+        # (`worker.layer_switch`): no per-step weight copy, one compiled layer
+        params = _unstack_in_host_memory(params)
+    if unroll_layers is None:  # GPU: unrolled (fused); CPU: under lax.scan
+        unroll_layers = gpu
     given = params
     if mesh is not None and params.layout == "stacked":  # (per-layer ones are sharded)
         params = replicate_kv_heads(shard_params(params, cfg, mesh), cfg, mesh)
@@ -59,6 +69,25 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
                 x.delete()
         params = _compact(params, given_ids)
     return params
+
+
+def _unstack_in_host_memory(params: Params) -> Params:
+    """`layout.unstack_layers` (layout "per_layer") for weights in host memory (the CPU
+    device, one device): each layer's slice copied by NumPy into its own buffer, where
+    the jitted split compiles a program per field shape (seconds at start-up)."""
+    stacked = params.layers
+    num_layers = stacked.attn_norm.shape[0]
+
+    def split(x: jax.Array | None) -> list[jax.Array | None]:
+        if x is None:
+            return [None] * num_layers
+        host = np.asarray(x)
+        return [jax.device_put(np.array(host[i]), x.sharding) for i in range(num_layers)]
+
+    fields = {f.name: split(getattr(stacked, f.name)) for f in dataclasses.fields(LayerParams)}
+    layers = tuple(LayerParams(**{name: col[i] for name, col in fields.items()})
+                   for i in range(num_layers))
+    return dataclasses.replace(params, layers=layers, layout="per_layer")
 
 
 def settle(params: Any) -> None:

@@ -4,7 +4,8 @@
 tokens: per layer it writes the new K/V into the paged cache at `slot_mapping`, then runs
 paged attention for every sequence (write-then-attend, so blocks written this step by one
 sequence can be read by another in the same step). The cache is donated and updated in
-place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`).
+place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`);
+the CPU's per-layer buffers run under one scan (`worker.layer_switch`).
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
 `write_kv` and attention with the slopes of `models.alibi.model_slopes(cfg)`, a constant
@@ -26,9 +27,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jprefix.core.sampling_params import MAX_LOGPROBS
-from jprefix.worker import xla_flags
+from jprefix.worker import kv_bits, xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
+from jprefix.worker.layer_switch import layer_loop
 from jprefix.worker.logits_processing import process_logits, token_logprobs
 from jprefix.worker.parallel import (
     REPLICATED,
@@ -167,7 +169,7 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     return qkv_attn_fn
 
 
-_STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra")
+_STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra", "kv_format")
 _STEP_STATIC = (*_STATIC, "greedy")
 
 
@@ -183,7 +185,7 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
          token_bitmask: jax.Array | None = None, *,
          layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
          greedy: bool = False, cascade: bool = False, mesh: Mesh | None = None,
-         extra: bool = False):
+         extra: bool = False, kv_format: str | None = None):
     """One engine step: returns (sampled token ids [P], updated kv_cache), P =
     `prev_tokens.size` (rows beyond the batch are padding); with `extra`, a third item,
     the logprobs (`_extra_sampling`).
@@ -201,12 +203,14 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     processing stage see the grammar's -inf.
     `extra` (some row has penalties, min_p, a logit bias or wants logprobs: the batch
     carries `logits_processing`'s arrays) processes the logits before sampling.
+    `kv_format`: the cache's format if stored as integer bits (`worker.kv_bits`).
 
     `step_logits` then `step_sample` compute the same in two programs, for a step whose
     bitmask is filled on the host while the first runs.
     """
     batch, token_ids, logits, prompt_logits, kv_cache = _model(
-        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra)
+        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra,
+        kv_format)
     tokens, logprobs = _sample(logits, prompt_logits, batch, token_ids, prev_tokens,
                                token_bitmask, greedy, extra, mesh)
     return (tokens, kv_cache) if logprobs is None else (tokens, kv_cache, logprobs)
@@ -215,12 +219,14 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
 @functools.partial(_jit_step, static=_STATIC)
 def step_logits(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array, *,
                 layout: Layout, cfg: ModelConfig, backend: str, decode: bool = False,
-                cascade: bool = False, mesh: Mesh | None = None, extra: bool = False):
+                cascade: bool = False, mesh: Mesh | None = None, extra: bool = False,
+                kv_format: str | None = None):
     """`step` up to the logits: returns (logits [S, V] float32, the prompt-logprobs
     entries' logits (`extra`; else None), the step's token ids [T], kv_cache), which
     `step_sample` takes."""
     _, token_ids, logits, prompt_logits, kv_cache = _model(
-        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra)
+        params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra,
+        kv_format)
     return logits, prompt_logits, token_ids, kv_cache
 
 
@@ -247,7 +253,7 @@ def compiled_steps(fp8_weights: bool) -> tuple[Callable, Callable]:
 
 
 def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
-           extra):
+           extra, kv_format=None):
     """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
     logits [E, V] (`extra`; else None), kv_cache)."""
     batch = unflatten_batch(flat, layout)
@@ -259,6 +265,10 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     slopes = None if slopes is None else jnp.asarray(slopes)
 
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
+        if kv_format is not None:  # a cache stored as integer bits (`worker.kv_bits`)
+            return kv_bits.write_and_attend(functools.partial(
+                _attention, backend, decode, cascade, scale=scale, alibi_slopes=alibi_slopes),
+                q, k, v, cache, layer, batch, cascade, kv_format)
         cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
         return _attention(backend, decode, cascade, q, cache, layer, batch, scale,
                           alibi_slopes, layer_window(cfg.layer_windows, layer)), cache
@@ -268,8 +278,9 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     def attn_fn(q, k, v, cache, layer):
         return local(q, k, v, tuple(cache), slopes, layer, batch)
 
-    hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
-                               _linear(backend, mesh),
+    layers, linear = layer_loop(params, _linear(backend, mesh), backend, mesh)
+    hidden, kv_cache = forward(layers, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
+                               linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
                                _col_linear(backend, mesh), shard_experts(mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])

@@ -1,0 +1,81 @@
+"""Per-layer weight buffers run under one `lax.scan` (the CPU's layer loop).
+
+A scan over stacked weights slices each layer's matrices out of the stack, and XLA:CPU
+materialises every such slice before its matmul library reads it: a copy of all the
+weights on every step, which on a decode step (matrix-vector products, bound by memory
+traffic) costs about as much as the matmuls themselves. Unrolling the layers reads each
+buffer in place but compiles every layer's attention and norms L times (seconds per
+step shape on the CPU).
+
+So the step keeps one compiled layer body and per-layer buffers: `scan_params` hands
+`models.llama.forward` a "stacked" Params whose matmul weights are `LayerWeight`
+stand-ins (the layer index and the field's name, which the scan slices like any stacked
+leaf), and `switched_linear` resolves a stand-in inside the body with `lax.switch` over
+the L buffers of that field: each branch is one matmul reading its layer's own buffer,
+so nothing is copied. The small per-layer arrays (norms, biases) are stacked per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from models.llama import LayerParams, LinearFn, Params
+
+# the LayerParams fields that only ever reach a matmul (`forward`'s linear / col_linear)
+MATMUL_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """Stands for field `field` of the layer `layer` (int32 [L] before the scan slices
+    it, a scalar inside the scanned body)."""
+
+    layer: jax.Array
+    field: str = dataclasses.field(metadata={"static": True})
+
+
+def layer_loop(params: Params, linear: LinearFn, backend: str, mesh: Mesh | None
+               ) -> tuple[Params, LinearFn]:
+    """The params and linear the step hands `forward`: per-layer (unfused) buffers on the
+    XLA backend on one device (`worker.params.prepare_params` makes them so on the CPU)
+    as `scan_params` and `switched_linear`; anything else as it is."""
+    if params.layout == "per_layer" and backend == "xla" and mesh is None:
+        return scan_params(params), switched_linear(linear, params.layers)
+    return params, linear
+
+
+def scan_params(params: Params) -> Params:
+    """`params` (layout "per_layer", L layers) as layout "stacked": norms and biases
+    stacked [L, ...], each matmul weight a `LayerWeight` over the L layers."""
+    layers = params.layers
+    index = jnp.arange(len(layers), dtype=jnp.int32)
+    fields = {}
+    for f in dataclasses.fields(LayerParams):
+        values = [getattr(lp, f.name) for lp in layers]
+        if f.name in MATMUL_FIELDS:
+            fields[f.name] = LayerWeight(index, f.name)
+        else:
+            fields[f.name] = None if values[0] is None else jnp.stack(values)
+    return dataclasses.replace(params, layers=LayerParams(**fields), layout="stacked")
+
+
+def switched_linear(linear: LinearFn, layers: tuple[LayerParams, ...]) -> LinearFn:
+    """`linear` on real weights; on a `LayerWeight`, `linear` with that layer's own
+    buffer of the field, chosen by `lax.switch` (one branch per layer)."""
+
+    def apply(x, w, act=None):
+        if not isinstance(w, LayerWeight):
+            return linear(x, w, act)
+        branches = [_branch(linear, getattr(lp, w.field), act) for lp in layers]
+        return jax.lax.switch(w.layer, branches, x)
+
+    return apply
+
+
+def _branch(linear: LinearFn, weight, act):
+    return lambda x: linear(x, weight, act)

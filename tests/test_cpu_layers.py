@@ -1,0 +1,76 @@
+"""The CPU's layer loop (`worker.layer_switch`): per-layer weight buffers under one scan
+give the stacked scan's and the unrolled layers' tokens, and the compiled step copies no
+layer's weights (a stacked scan slices a copy of every layer's matrices on every step);
+one stream decoding packs into T = 2, S = 1 (`BucketConfig.single_stream`)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jprefix
+from jprefix import LLM, SamplingParams
+from jprefix.core.scheduler import ScheduledSeq
+from jprefix.core.sequence import Sequence
+from jprefix.worker.layer_switch import MATMUL_FIELDS
+from jprefix.worker.pack import BucketConfig, pack_step
+from scripts.memcheck import compile_step, synthetic_rows
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's layout")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
+
+
+def test_scanned_layer_buffers_match_stacked_and_unrolled_layers(tiny):
+    prompts = [np.random.default_rng(i).integers(3, 200, 11 + 5 * i).tolist() for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs, layouts = {}, {}
+    for unroll in (None, False, True):
+        llm = LLM(tiny, block_size=8, num_kv_blocks=64, unroll_layers=unroll)
+        layouts[unroll] = llm.engine.runner.params.layout
+        batch = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        alone = llm.generate(prompts[:1], sp, use_tqdm=False)[0].token_ids  # T=2, S=1
+        outs[unroll] = (batch, alone)
+    assert layouts == {None: "per_layer", False: "stacked", True: "fused"}
+    assert outs[None] == outs[False] == outs[True]
+    assert outs[None][1] == outs[None][0][0]
+
+
+def _weight_copies(runner) -> list[str]:
+    """The compiled decode step's instructions that make an array of a layer matmul
+    weight's shape out of a dynamic slice (a per-step copy of that layer's weights)."""
+    lp = jax.tree.map(lambda x: x[0], runner.params.layers) if runner.params.layout == \
+        "stacked" else runner.params.layers[0]
+    shapes = {",".join(map(str, getattr(lp, f).shape)) for f in MATMUL_FIELDS
+              if getattr(lp, f) is not None}
+    rows = synthetic_rows([[1] * 9], [[1, 2]], [1])
+    text = compile_step(runner, rows).as_text()
+    made = re.compile(r"= f32\[([0-9,]+)\]\S* (dynamic-slice|fusion)\(")
+    return [line for line in text.splitlines()
+            if (m := made.search(line)) and m.group(1) in shapes and "dynamic_slice" in line]
+
+
+def test_scanned_layer_buffers_copy_no_layer_weights(tiny):
+    stacked = LLM(tiny, block_size=8, num_kv_blocks=32, unroll_layers=False).engine.runner
+    assert _weight_copies(stacked)  # (the check sees the stacked scan's copies)
+    runner = LLM(tiny, block_size=8, num_kv_blocks=32).engine.runner
+    assert runner.params.layout == "per_layer"
+    assert _weight_copies(runner) == []
+
+
+def test_one_stream_decoding_packs_two_tokens_and_one_sequence():
+    seq = Sequence("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+    seq.block_table = [1]
+    row = [ScheduledSeq(seq, 2, 1, True)]
+    on = pack_step(row, 8, BucketConfig(single_stream=True))
+    off = pack_step(row, 8, BucketConfig())
+    assert (len(on["token_ids"]), len(on["kv_lens"])) == (2, 1)
+    assert (len(off["token_ids"]), len(off["kv_lens"])) == (16, 8)
+    assert on["token_ids"][0] == off["token_ids"][0] == 7
+    assert on["slot_mapping"][1] == 0  # the padding row writes to the null block
+    two = [ScheduledSeq(seq, 2, 1, True), ScheduledSeq(seq, 2, 1, True)]
+    assert len(pack_step(two, 8, BucketConfig(single_stream=True))["token_ids"]) == 16
