@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jprefix.worker.step import _linear
+from jprefix.worker.step_linear import step_linear as _linear
 from models.fp8_linear import FP8, fp8_matmul, quantize_activations, quantize_weight
 from models.llama import apply_act, dense_linear
 from pallas_kernels.skinny_matmul import (

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jprefix.worker.step import _linear
+from jprefix.worker.step_linear import step_linear as _linear
 from models.fp8_linear import quantize_activations, quantize_weight
 from models.llama import dense_linear
 from pallas_kernels.mgpu_fp8_matmul import (

@@ -116,7 +116,7 @@ def _pallas_operands(fn, *args):
 
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
-    from jprefix.worker.step import _linear
+    from jprefix.worker.step_linear import step_linear as _linear
     from models.llama import dense_linear
 
     linear = _linear("pallas-interpret", None)
@@ -136,7 +136,7 @@ def test_runner_linear_runs_the_kernel_on_few_rows_and_xla_otherwise(act):
 @pytest.mark.skipif(INTERPRET, reason="the compiled kernel's shapes (a 7B layer) on a GPU")
 @pytest.mark.parametrize("n,act", [(12288, None), (2 * 11008, "silu_mul")])
 def test_runner_linear_on_gpu_matches_xla_on_a_7b_layer(n, act):
-    from jprefix.worker.step import _linear
+    from jprefix.worker.step_linear import step_linear as _linear
     from models.llama import dense_linear
 
     x, w = make(np.random.default_rng(2), 16, 4096, n, jnp.bfloat16)
@@ -263,7 +263,7 @@ def test_runner_linear_takes_fp8_weights_through_the_kernel_on_few_rows(act):
     """`_linear` on an Fp8Weight: the kernel's fp8 variant for few rows, with the row
     quantisation of `fp8_matmul` (so a row's result does not depend on the batch), and
     XLA's fp8 matmul for many rows."""
-    from jprefix.worker.step import _linear
+    from jprefix.worker.step_linear import step_linear as _linear
     from models.fp8_linear import quantize_weight
     from models.llama import dense_linear
 

@@ -4,7 +4,7 @@
 tokens: per layer it writes the new K/V into the paged cache at `slot_mapping`, then runs
 paged attention for every sequence (write-then-attend, so blocks written this step by one
 sequence can be read by another in the same step). The cache is donated and updated in
-place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`_linear`);
+place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`step_linear`);
 the CPU's per-layer buffers run under one scan (`worker.layer_switch`).
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
@@ -36,23 +36,19 @@ from jprefix.worker.parallel import (
     REPLICATED,
     per_shard,
     per_shard_qkv,
-    shard_columns,
     shard_experts,
 )
 from jprefix.worker.sampler import sample
+from jprefix.worker.step_linear import col_linear, step_linear
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
 from models.config import ModelConfig
-from models.fp8_linear import Fp8Weight, quantize_activations
 from models.llama import (
-    LinearFn,
     QKVAttnFn,
     compute_logits,
-    dense_linear,
     forward,
 )
 from models.window import layer_window
-from pallas_kernels import backend as kernel_backend
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import (
@@ -61,12 +57,6 @@ from pallas_kernels.paged_attention import (
     paged_attention_reference,
 )
 from pallas_kernels.rope_kv_write import rope_write_kv
-from pallas_kernels.skinny_matmul import (
-    SKINNY_MIN_PROGRAMS,
-    fp8_tiling,
-    skinny_matmul,
-    skinny_tiling,
-)
 
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
@@ -97,49 +87,6 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
                                      interpret=interpret, **kw)
     return paged_attention(*args, scale=scale, interpret=interpret,
                            max_q_len=1 if decode else None, **kw)
-
-
-def _linear(backend: str, mesh: Mesh | None) -> LinearFn:
-    """The layers' matmuls: `skinny_matmul` where it beats XLA's (few rows, many output
-    columns; one device), XLA's elsewhere (and for a mesh's row-parallel matmuls, whose
-    all-reduce XLA inserts). fp8 weights take the kernel's fp8 x fp8 variant
-    (`fp8_matmul`'s arithmetic, reading the fp8 bytes) on few rows at any column count
-    (`fp8_tiling`). Interpret mode takes the bf16 kernel for any number of output
-    columns (the rows' limit stays), so that the CPU tests' small models run it."""
-    if backend == "xla" or mesh is not None:
-        return dense_linear
-    interpret = backend == "pallas-interpret"
-    min_programs = 1 if interpret else SKINNY_MIN_PROGRAMS
-
-    def linear(x, w, act=None):
-        if act not in (None, "silu_mul"):  # (the kernel fuses SwiGLU only: Gemma's GeGLU)
-            return dense_linear(x, w, act)
-        fp8 = isinstance(w, Fp8Weight)
-        n = w.shape[1] // (2 if act == "silu_mul" else 1)
-        x2 = x.reshape(-1, x.shape[-1])
-        tiling = (fp8_tiling(*x2.shape, n, act) if fp8 else
-                  skinny_tiling(*x2.shape, n, act, min_programs=min_programs))
-        if fp8 and act is None and (out := kernel_backend.fp8_matmul_mosaic(
-                x2, w.w8, w.scale, quantize_activations)) is not None:
-            return out.reshape(*x.shape[:-1], n)  # (where the backend table says Mosaic GPU)
-        if tiling is None or (not fp8 and x.dtype != w.dtype):
-            return dense_linear(x, w, act)
-        if fp8:  # the activations quantised per row as fp8_matmul does, fp8 x fp8 dot
-            x8, row_scale = quantize_activations(x2)
-            out = skinny_matmul(x8, w.w8, act=act, tiling=tiling, interpret=interpret,
-                                scales=(row_scale[:, 0], w.scale), out_dtype=x.dtype)
-        else:
-            out = skinny_matmul(x2, w, act=act, tiling=tiling, interpret=interpret)
-        return out.reshape(*x.shape[:-1], n)
-
-    return linear
-
-
-def _col_linear(backend: str, mesh: Mesh | None) -> LinearFn | None:
-    """The column-parallel matmuls (Q/K/V, gate/up) under a mesh: `_linear`'s one-device
-    choice per device on its columns (`parallel.shard_columns`); None (= `_linear`)
-    without one."""
-    return None if mesh is None else shard_columns(_linear(backend, None), mesh)
 
 
 def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
@@ -278,11 +225,11 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     def attn_fn(q, k, v, cache, layer):
         return local(q, k, v, tuple(cache), slopes, layer, batch)
 
-    layers, linear = layer_loop(params, _linear(backend, mesh), backend, mesh)
+    layers, linear = layer_loop(params, step_linear(backend, mesh), backend, mesh)
     hidden, kv_cache = forward(layers, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
-                               _col_linear(backend, mesh), shard_experts(mesh))
+                               col_linear(backend, mesh), shard_experts(mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
     return batch, token_ids, logits, prompt_logits, kv_cache
