@@ -99,6 +99,12 @@ class EngineArgs:
     num_processes: int | None = None
     process_id: int | None = None
     distributed_timeout_s: int = 60  # for every process to join; for a silent process
+    # The prefix cache's host-memory tier (jprefix.engine.kv_tier), GiB of host memory
+    # per replica (vLLM's --kv-offloading-size); 0: off
+    kv_offloading_size: float = 0.0
+    # a prefix cache saved by LLM.save_prefix_cache, loaded into the host tier at start
+    # (a tier just large enough is made when kv_offloading_size is 0)
+    prefix_cache_path: str | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -123,6 +129,9 @@ class EngineArgs:
         if self.distributed_timeout_s < 1:
             raise ValueError(f"distributed_timeout_s must be >= 1, got "
                              f"{self.distributed_timeout_s}")
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got "
+                             f"{self.kv_offloading_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"
