@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from jprefix.core.prefix_trie import block_hash, root_hash
+
 
 def root_key(salt: str | None) -> tuple[str, str | None]:
     """A root's key, tagged by kind (a salt can never equal a key of another kind)."""
@@ -41,6 +43,7 @@ class HostNode:
 
     tokens: tuple[int, ...]
     parent: HostNode | None
+    prefix_hash: int = 0  # as the HBM trie's node for this path (routing affinity)
     slot: int | None = None
     ref: int = 0  # copies back to HBM reading the slot, and pins
     children: dict[tuple[int, ...], HostNode] = field(default_factory=dict)
@@ -63,6 +66,7 @@ class HostPool:
         self._roots: dict[tuple, HostNode] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
         self._lru: OrderedDict[int, HostNode] = OrderedDict()  # by slot, oldest first
+        self._by_hash: dict[int, HostNode] = {}  # slot-holding nodes by prefix_hash
         self.num_stored_blocks = 0  # blocks written to the host (saves)
         self.num_dropped_blocks = 0  # slots reused under pressure
         self.num_rejected_blocks = 0  # evicted from HBM and not kept (all slots held)
@@ -84,13 +88,14 @@ class HostPool:
         if node is None:
             if not create:
                 return None
-            node = self._roots[key] = HostNode((), None)
+            node = self._roots[key] = HostNode((), None, root_hash(salt))
         for tokens in blocks:
             child = node.children.get(tokens)
             if child is None:
                 if not create:
                     return None
-                child = node.children[tokens] = HostNode(tokens, node)
+                child = node.children[tokens] = HostNode(
+                    tokens, node, block_hash(node.prefix_hash, tokens))
             node = child
         return node
 
@@ -110,6 +115,11 @@ class HostPool:
             out.append(node)
             self._lru.move_to_end(node.slot)
         return out
+
+    def holds(self, prefix_hash: int) -> bool:
+        """Whether a slot holds the block whose chained hash is prefix_hash (the DP
+        router's affinity; safe to call from another thread: one dict lookup)."""
+        return prefix_hash in self._by_hash
 
     def find(self, salt: str | None, blocks: Seq[tuple[int, ...]]) -> HostNode | None:
         return self._walk(salt, blocks, create=False)
@@ -131,6 +141,7 @@ class HostPool:
             return None
         node.slot = slot
         self._lru[slot] = node
+        self._by_hash[node.prefix_hash] = node
         self.num_stored_blocks += 1
         return slot
 
@@ -140,11 +151,16 @@ class HostPool:
         for slot, node in self._lru.items():  # oldest first
             if node.ref == 0:
                 del self._lru[slot]
+                self._unhash(node)
                 node.slot = None
                 self.num_dropped_blocks += 1
                 self._prune(node)
                 return slot
         return None
+
+    def _unhash(self, node: HostNode) -> None:
+        if self._by_hash.get(node.prefix_hash) is node:
+            del self._by_hash[node.prefix_hash]
 
     def _prune(self, node: HostNode) -> None:
         """Removes childless placeholders upwards from node."""
@@ -173,6 +189,7 @@ class HostPool:
         for n in list(_subtree(node)):
             if n.slot is not None and n.ref == 0:
                 del self._lru[n.slot]
+                self._unhash(n)
                 self._free.append(n.slot)
                 n.slot, freed = None, freed + 1
         if node.parent is not None and not _holds_slots(node):
@@ -186,6 +203,7 @@ class HostPool:
             return False
         self._roots.clear()
         self._lru.clear()
+        self._by_hash.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         return True
 
@@ -209,6 +227,7 @@ class HostPool:
         assert len(self._free) == len(set(self._free))
         assert len(slots) + len(self._free) == self.num_slots
         assert all(self._lru[n.slot] is n for n in held)
+        assert all(n.slot is not None for n in self._by_hash.values())
         for root in self._roots.values():
             for n in _subtree(root):
                 assert n.ref >= 0 and (n.ref == 0 or n.slot is not None)

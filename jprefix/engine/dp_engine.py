@@ -28,6 +28,7 @@ from jprefix.core.routing import Router, TrieView
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
+from jprefix.engine.kv_tier import host_summary
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.engine.stats import CACHE_COUNTERS, EngineStats, summarize_stats
 from jprefix.worker.parallel import device_groups
@@ -116,7 +117,8 @@ class DataParallelEngine(EngineFront):
         # requests are validated against the smallest context any replica's cache holds
         front = min(self.replicas, key=lambda r: r.max_model_len)
         self.model, self.inputs, self.max_model_len = front.model, front.inputs, front.max_model_len
-        self.router = Router([TrieView(r.scheduler.prefix_pool.trie) for r in self.replicas],
+        self.router = Router([TrieView(r.scheduler.prefix_pool.trie, r.scheduler.prefix_pool.host)
+                              for r in self.replicas],
                              args.block_size, args.routing_policy)
         # one set of grammar matchers for all replicas: a structured request is validated
         # (its grammar compiled) before it is routed, and the matchers are keyed by
@@ -208,7 +210,11 @@ class DataParallelEngine(EngineFront):
             s.update(replica=i, devices=[str(d) for d in self.device_groups[i]],
                      requests=routed, affinity_requests=affinity)
         return summarize_stats(reps, data_parallel_size=len(self.replicas),
-                               routing_policy=self.args.routing_policy)
+                               routing_policy=self.args.routing_policy, **host_summary(reps))
+
+    def save_prefix_cache(self, path: str) -> int:
+        raise ValueError(f"data_parallel_size {len(self.replicas)}: each replica has its own "
+                         "prefix cache (engine.replicas[i].save_prefix_cache(path))")
 
     def _shareable_blocks(self, seq: Sequence) -> int:
         """The leading blocks the replica's scheduler will match and cache for seq."""

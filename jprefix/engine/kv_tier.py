@@ -14,6 +14,17 @@ from jprefix.core.prefix_cache import PrefixPool
 from jprefix.engine import prefix_cache_file
 from jprefix.worker.offload import KVOffloader, read_blocks
 
+HOST_COUNTERS = ("num_host_hit_tokens", "host_used_blocks", "host_free_blocks",
+                 "host_stored_blocks", "host_dropped_blocks", "host_bytes_to_host",
+                 "host_bytes_to_device", "host_copy_s")
+
+
+def host_summary(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The host tier's counters summed over replicas (for /stats; none when it is off)."""
+    if not any("host_used_blocks" in r for r in replicas):
+        return {}
+    return {k: sum(r.get(k, 0) for r in replicas) for k in HOST_COUNTERS}
+
 
 class KVTier:
     """One replica's host tier: `num_slots` host blocks beside `runner`'s cache."""

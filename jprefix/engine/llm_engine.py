@@ -25,7 +25,7 @@ from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
 from jprefix.engine.input_processor import InputProcessor
-from jprefix.engine.kv_tier import KVTier, save_prefix_cache
+from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
 from jprefix.engine.stats import EngineStats, summarize_stats
@@ -124,7 +124,8 @@ class LLMEngine(EngineFront):
 
     def summary(self) -> dict[str, Any]:
         """/stats' body: `summarize_stats` of this engine as the one replica."""
-        return summarize_stats([self.counters() | {"replica": 0}], data_parallel_size=1)
+        reps = [self.counters() | {"replica": 0}]
+        return summarize_stats(reps, data_parallel_size=1, **host_summary(reps))
 
     def _queue(self, seq: Sequence, prompt: str | None = None) -> None:
         """Queues a validated sequence (of `make_request`); thread-safe, takes effect at
