@@ -134,7 +134,7 @@ class HostPool:
         if node.slot is not None:
             self._lru.move_to_end(node.slot)
             return None
-        slot = self._take_slot()
+        slot = self._take_slot(keep=node)
         if slot is None:
             self.num_rejected_blocks += 1
             self._prune(node)
@@ -145,7 +145,8 @@ class HostPool:
         self.num_stored_blocks += 1
         return slot
 
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, keep: HostNode) -> int | None:
+        """A free slot, or the LRU unreferenced one (its node pruned, never `keep`)."""
         if self._free:
             return self._free.pop()
         for slot, node in self._lru.items():  # oldest first
@@ -154,7 +155,7 @@ class HostPool:
                 self._unhash(node)
                 node.slot = None
                 self.num_dropped_blocks += 1
-                self._prune(node)
+                self._prune(node, keep)
                 return slot
         return None
 
@@ -162,9 +163,10 @@ class HostPool:
         if self._by_hash.get(node.prefix_hash) is node:
             del self._by_hash[node.prefix_hash]
 
-    def _prune(self, node: HostNode) -> None:
-        """Removes childless placeholders upwards from node."""
-        while node.parent is not None and node.slot is None and not node.children:
+    def _prune(self, node: HostNode, keep: HostNode | None = None) -> None:
+        """Removes childless placeholders upwards from node (up to `keep`, excluded)."""
+        while (node.parent is not None and node.slot is None and not node.children
+               and node is not keep):
             del node.parent.children[node.tokens]
             node = node.parent
 
