@@ -177,7 +177,7 @@ class Scheduler:
                 break
             if n == 0:
                 if not self.running:  # nothing can free blocks for it
-                    if self._release_waiting_blocks():  # (host-tier loads done, held)
+                    if self.prefix_pool.release_loaded(self.waiting):  # (host tier)
                         continue
                     if not self.prefix_pool.moves.loading:
                         self._ignore(seq, out)
@@ -194,7 +194,7 @@ class Scheduler:
         in the host tier are copied back."""
         if self.config.enable_prefix_caching and not seq.block_table:
             self._match(seq)
-            if self._load_from_host(seq):
+            if self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)):
                 return -1
         remaining = seq.num_tokens - seq.num_computed_tokens
         chunk = self._can_chunk(seq)
@@ -218,26 +218,6 @@ class Scheduler:
         seq.block_table = self.prefix_pool.acquire(seq.all_token_ids, max_blocks, seq.cache_salt)
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-
-    def _load_from_host(self, seq: Sequence) -> int:
-        """Starts copying back the blocks after seq's HBM match that the host tier holds
-        (`PrefixPool.acquire_from_host`); their tokens count as cached hits."""
-        if seq.num_prompt_logprobs is not None and seq.num_output_tokens == 0:
-            return 0
-        n = self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size))
-        if n and seq.num_preemptions == 0:
-            self.prefix_pool.record_host_hit(n * self.block_size)
-        return n
-
-    def _release_waiting_blocks(self) -> bool:
-        """Frees the blocks waiting sequences hold after their host-tier copies (they
-        stay cached, so they match again); False if none does. Those of copies still in
-        flight are kept: their blocks are written after the step."""
-        busy = {id(s) for s, _ in self.prefix_pool.moves.loading}
-        held = [s for s in self.waiting if s.block_table and id(s) not in busy]
-        for s in held:
-            self.block_manager.free(s.reset_blocks())
-        return bool(held)
 
     def _commit(self, seq: Sequence, n: int) -> ScheduledSeq:
         """Allocates blocks for n more tokens, registers the blocks they fill (of known

@@ -215,17 +215,10 @@ class ModelRunner:
                           order, positions if kind.extra else None, later)
 
     def update_kv_cache(self, fn: Any) -> None:
-        """Queues `fn(cache) -> cache` on the launch thread, in dispatch order with the
-        steps (the host tier's gathers and scatters: `jprefix.worker.offload`)."""
+        """Queues `fn(cache) -> cache` on the launch thread after the steps dispatched so
+        far (the host tier's copies: `jprefix.worker.offload`)."""
         def launch() -> None:
-            if self._failed is not None:
-                raise RuntimeError("an earlier engine step failed") from self._failed
-            try:
-                self._kv_cache = fn(self._kv_cache)
-            except Exception as exc:
-                self._failed = self._failed or exc
-                raise
-
+            self._kv_cache = fn(self._kv_cache)
         self._last_launch = self._launcher.submit(launch)
 
     @property
