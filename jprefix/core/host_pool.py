@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from jprefix.core.kv_events import CPU, KVEventSink
 from jprefix.core.prefix_trie import block_hash, root_hash
 
 
@@ -70,6 +71,7 @@ class HostPool:
         self.num_stored_blocks = 0  # blocks written to the host (saves)
         self.num_dropped_blocks = 0  # slots reused under pressure
         self.num_rejected_blocks = 0  # evicted from HBM and not kept (all slots held)
+        self.events: KVEventSink | None = None  # KV events, if on
 
     @property
     def num_used_slots(self) -> int:
@@ -143,6 +145,10 @@ class HostPool:
         self._lru[slot] = node
         self._by_hash[node.prefix_hash] = node
         self.num_stored_blocks += 1
+        if self.events is not None:
+            parent = node.parent
+            self.events.stored_block(node.prefix_hash, None if parent.parent is None else
+                                     parent.prefix_hash, node.tokens, CPU)
         return slot
 
     def _take_slot(self, keep: HostNode) -> int | None:
@@ -154,6 +160,8 @@ class HostPool:
                 del self._lru[slot]
                 self._unhash(node)
                 node.slot = None
+                if self.events is not None:
+                    self.events.removed_blocks([node.prefix_hash], CPU)
                 self.num_dropped_blocks += 1
                 self._prune(node, keep)
                 return slot
@@ -187,17 +195,20 @@ class HostPool:
     def drop(self, node: HostNode) -> int:
         """Removes node and its subtree (delete_prefix); returns the slots freed.
         Referenced nodes (a copy in flight) keep their slot until released."""
-        freed = 0
+        gone = []
         for n in list(_subtree(node)):
             if n.slot is not None and n.ref == 0:
                 del self._lru[n.slot]
                 self._unhash(n)
                 self._free.append(n.slot)
-                n.slot, freed = None, freed + 1
+                n.slot = None
+                gone.append(n.prefix_hash)
+        if self.events is not None:
+            self.events.removed_blocks(gone, CPU)
         if node.parent is not None and not _holds_slots(node):
             del node.parent.children[node.tokens]
             self._prune(node.parent)
-        return freed
+        return len(gone)
 
     def clear(self) -> bool:
         """Drops every block (reset_prefix_cache); refused (False) while any is referenced."""
@@ -209,14 +220,14 @@ class HostPool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         return True
 
-    def entries(self) -> Iterator[tuple[str | None, list[tuple[int, ...]], int]]:
-        """(salt, block path, slot) of every slot-holding node, parents first."""
+    def entries(self) -> Iterator[tuple[str | None, list[tuple[int, ...]], HostNode]]:
+        """(salt, block path, node) of every slot-holding node, parents first."""
         for key, root in self._roots.items():
             stack = [(root, [])]
             while stack:
                 node, path = stack.pop()
                 if node.slot is not None:
-                    yield key[1], path, node.slot
+                    yield key[1], path, node
                 for tokens, child in node.children.items():
                     stack.append((child, path + [tokens]))
 

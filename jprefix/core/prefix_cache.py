@@ -14,6 +14,7 @@ from typing import Any
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.host_pool import HostNode, HostPool
 from jprefix.core.host_tier import HostTierMixin, KVMoves
+from jprefix.core.kv_events import GPU, KVEventSink
 from jprefix.core.prefix_trie import PrefixNode, PrefixTrie, block_hash, prefix_hash_of, root_hash
 
 __all__ = ["Prefix", "PrefixCacheStats", "PrefixNode", "PrefixPool", "PrefixTrie",
@@ -69,6 +70,7 @@ class PrefixPool(HostTierMixin):
         self.host = host
         self.moves = KVMoves()
         self.num_host_hit_tokens = 0
+        self.events: KVEventSink | None = None  # KV events (engine/kv_events.py), if on
         self.block_size = block_manager.block_size
         self.trie = PrefixTrie(self.block_size)
         self._prefixes: dict[int, Prefix] = {}
@@ -101,6 +103,9 @@ class PrefixPool(HostTierMixin):
                 return
             self.block_manager.mark_cached(table[i])
             seq.num_registered_blocks += 1
+            if self.events is not None:
+                self.events.stored_block(node.prefix_hash, None if i == 0 else
+                                         parent.prefix_hash, node.tokens, GPU)
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_prompt_tokens
@@ -110,8 +115,11 @@ class PrefixPool(HostTierMixin):
         node = self.trie.node_of(block)
         if self.host is not None:
             self._save(node)
-        for n in self.trie.remove_subtree(node):
+        removed = self.trie.remove_subtree(node)
+        for n in removed:
             self.block_manager.uncache(n.block)
+        if self.events is not None:
+            self.events.removed_blocks([n.prefix_hash for n in removed], GPU)
 
     # -- user side -------------------------------------------------------------------
 
@@ -191,6 +199,8 @@ class PrefixPool(HostTierMixin):
             return False
         for node in self.trie.clear():
             self.block_manager.uncache(node.block)
+        if self.events is not None:
+            self.events.all_cleared()
         return True
 
     def stats(self) -> PrefixCacheStats:
@@ -220,10 +230,12 @@ class PrefixPool(HostTierMixin):
         prefix.pinned_host = []
 
     def _drop(self, node: PrefixNode) -> int:
-        freed = 0
-        for n in self.trie.remove_subtree(node):
+        freed, removed = 0, self.trie.remove_subtree(node)
+        for n in removed:
             freed += self.block_manager.ref_count(n.block) == 0
             self.block_manager.uncache(n.block)
+        if self.events is not None:
+            self.events.removed_blocks([n.prefix_hash for n in removed], GPU)
         return freed
 
     def check_invariants(self) -> None:

@@ -18,6 +18,7 @@ trie and its load, and of the rest the engine surface above.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from typing import Any
@@ -28,6 +29,7 @@ from jprefix.core.routing import Router, TrieView
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
+from jprefix.engine.kv_events import with_rank
 from jprefix.engine.kv_tier import host_summary
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.engine.stats import CACHE_COUNTERS, EngineStats, summarize_stats
@@ -110,7 +112,9 @@ class DataParallelEngine(EngineFront):
         if replicas is None:
             self.device_groups = device_groups(args.data_parallel_size,
                                                args.tensor_parallel_size, devices)
-            replicas = [LLMEngine(model, args, devices=g) for g in self.device_groups]
+            replicas = [LLMEngine(model, dataclasses.replace(  # (own events port each)
+                args, kv_events_config=with_rank(args.kv_events_config, i)), devices=g)
+                for i, g in enumerate(self.device_groups)]
         else:
             self.device_groups = [[] for _ in replicas]
         self.replicas = replicas

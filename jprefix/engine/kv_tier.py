@@ -15,7 +15,8 @@ from jprefix.engine import prefix_cache_file
 from jprefix.worker.offload import KVOffloader, read_blocks
 
 HOST_COUNTERS = ("num_host_hit_tokens", "host_used_blocks", "host_free_blocks",
-                 "host_stored_blocks", "host_dropped_blocks", "host_bytes_to_host",
+                 "host_stored_blocks", "host_dropped_blocks", "host_rejected_blocks",
+                 "host_bytes_to_host",
                  "host_bytes_to_device", "host_copy_s")
 
 
@@ -64,6 +65,7 @@ class KVTier:
         return {"host_used_blocks": p.num_used_slots, "host_free_blocks": p.num_free_slots,
                 "host_stored_blocks": p.num_stored_blocks,
                 "host_dropped_blocks": p.num_dropped_blocks,
+                "host_rejected_blocks": p.num_rejected_blocks,
                 "host_bytes_to_host": s.bytes_to_host, "host_bytes_to_device": s.bytes_to_device,
                 "host_copy_s": s.copy_s}
 
@@ -91,8 +93,8 @@ def save_prefix_cache(pool: PrefixPool, tier: KVTier | None, runner: Any,
     returns the number of blocks written."""
     found: dict[tuple, tuple[str, int]] = {}  # (salt, path) -> (tier, block or slot)
     if tier is not None:
-        for salt, blocks, slot in tier.pool.entries():
-            found[(salt, tuple(blocks))] = ("host", slot)
+        for salt, blocks, node in tier.pool.entries():
+            found[(salt, tuple(blocks))] = ("host", node.slot)
     for node in pool.trie.nodes():
         found[(pool.trie.salt_of(node), tuple(n.tokens for n in node.path()))] = (
             "hbm", node.block)

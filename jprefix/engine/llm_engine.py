@@ -17,6 +17,7 @@ from typing import Any
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.cascade import CascadePlan, CascadePlanner
 from jprefix.core.config import SchedulerConfig
+from jprefix.core.kv_events import KVEventSink
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
@@ -25,6 +26,8 @@ from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
 from jprefix.engine.input_processor import InputProcessor
+from jprefix.engine.kv_events import KVEventPublisher
+from jprefix.engine.kv_events import parse_config as parse_kv_events
 from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
@@ -62,6 +65,7 @@ class LLMEngine(EngineFront):
         self.scheduler = self._make_scheduler(runner.num_blocks)
         if self.args.prefix_cache_path is not None:
             self.kv_tier.load_file(self.args.prefix_cache_path, prefix_cache_file.identity(self))
+        self.kv_events = self._make_kv_events()
         self.inputs = InputProcessor(model.tokenizer, model.name, cfg.vocab_size,
                                      self.max_model_len, self.args.seed)
         self.outputs = OutputProcessor(model.tokenizer)
@@ -105,6 +109,16 @@ class LLMEngine(EngineFront):
             return None
         return KVTier.for_args(self.runner, self.args.kv_offloading_size, self.args.block_size,
                                need)
+
+    def _make_kv_events(self) -> KVEventPublisher | None:
+        """KV cache events (`kv_events_config`): both tiers append to one sink."""
+        cfg = parse_kv_events(self.args.kv_events_config)
+        if cfg is None:
+            return None
+        sink = self.prefix_pool.events = KVEventSink(self.args.block_size)
+        if self.kv_tier is not None:
+            self.kv_tier.pool.events = sink
+        return KVEventPublisher(cfg, sink)
 
     def save_prefix_cache(self, path: str) -> int:
         """Writes the prefix cache of both tiers to `path` (`prefix_cache_file`); returns
@@ -182,6 +196,8 @@ class LLMEngine(EngineFront):
                 self._inflight = None
             if not self.scheduler.running:
                 self.cascade_planner.forget()  # nothing decodes: hold no finished sequence
+            if self.kv_events is not None:
+                self.kv_events.flush()
             return self._collect(finished)
 
     def _masks_later(self) -> bool:
