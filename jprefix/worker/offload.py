@@ -13,8 +13,8 @@ dispatch order (`ModelRunner.update_kv_cache`), so nothing on the host waits for
 device. Saves gather before the step (it may reuse the blocks) into `pinned_host` memory
 where the device offers that memory kind (a DMA the device runs asynchronously; JAX
 cannot update a pinned host buffer in place, so the host pool itself is pageable numpy),
-and the bytes are copied into the pool when the next step's moves are queued (the gather
-has long finished by then) or when a load or a save to disk needs them. Loads are put
+and a writer thread copies the bytes into the pool (off the engine's thread; a load or a
+save to disk of a slot still being written waits for it). Loads are put
 on the device as soon as they are decided and scattered into the cache after the step,
 which the sequence waits for in the scheduler. Under tensor parallelism the gather and
 scatter run under the cache's sharding: each device moves its own kv heads.
@@ -22,7 +22,9 @@ scatter run under the cache's sharding: each device moves its own kv heads.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -40,7 +42,12 @@ KVCache = tuple[jax.Array, ...]
 class OffloadStats:
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    copy_s: float = 0.0  # host seconds spent copying into and out of the host pool
+    save_copy_s: float = 0.0  # writer-thread seconds copying saves into the host pool
+    load_copy_s: float = 0.0  # engine-thread seconds staging loads (host rows -> device)
+
+    @property
+    def copy_s(self) -> float:
+        return self.save_copy_s + self.load_copy_s
 
 
 @partial(jax.jit, static_argnums=())
@@ -80,7 +87,10 @@ class KVOffloader:
         self.block_bytes = sum(h[0].nbytes for h in self.host)
         self._device_shardings = tuple(_moved_sharding(c.sharding) for c in cache)
         self._host_shardings = tuple(_pinned(s) for s in self._device_shardings)
-        self._pending: deque[tuple[np.ndarray, Any]] = deque()  # (slots, gathered arrays)
+        # saves being written into the host pool: (their slots, the writer's future)
+        self._writes: deque[tuple[set[int], concurrent.futures.Future]] = deque()
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "jprefix-offload")
+        weakref.finalize(self, self._writer.shutdown, wait=False)
         self.stats = OffloadStats()
 
     @staticmethod
@@ -95,12 +105,16 @@ class KVOffloader:
 
     def move(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> Any:
         """Queues a step's saves (block, slot) now and returns the loads' scatter, to be
-        queued after the step (`after_step`)."""
-        self.flush()
+        queued after the step (`after_step`). Waits only when a load reads a slot whose
+        save is still being written (evicted and matched again within a step or two)."""
+        while self._writes and self._writes[0][1].done():
+            self._writes.popleft()[1].result()  # (raises a failed write's error)
         if saves:
             self._queue_saves(saves)
         if not loads:
             return None
+        if any(slot in slots for slots, _ in self._writes for slot, _ in loads):
+            self.flush()
         return self._stage_loads(loads)
 
     def after_step(self, staged: Any) -> None:
@@ -110,37 +124,43 @@ class KVOffloader:
         self.runner.update_kv_cache(lambda cache: scatter_blocks(cache, blocks, data))
 
     def _queue_saves(self, saves: list[tuple[int, int]]) -> None:
+        """The gather goes on the launch thread (before the step); the bytes are written
+        into the host pool by the writer thread, in queue order (a slot reused later is
+        written later), off the engine's thread."""
         n = _padded(len(saves))
         blocks = np.zeros(n, np.int32)
         blocks[:len(saves)] = [b for b, _ in saves]
         slots = np.array([s for _, s in saves], np.int64)
-        box: list[Any] = []
+        gathered: concurrent.futures.Future = concurrent.futures.Future()
 
         def gather(cache: KVCache) -> KVCache:
-            out = gather_blocks(cache, blocks)
-            box.append(tuple(jax.device_put(x, s) if s is not None else x
-                             for x, s in zip(out, self._host_shardings, strict=True)))
-            for x in box[0]:
-                x.copy_to_host_async()
+            try:
+                out = tuple(jax.device_put(x, s) if s is not None else x for x, s in
+                            zip(gather_blocks(cache, blocks), self._host_shardings,
+                                strict=True))
+                for x in out:
+                    x.copy_to_host_async()
+                gathered.set_result(out)
+            except Exception as exc:
+                gathered.set_exception(exc)
+                raise
             return cache
 
+        def write() -> None:
+            data = gathered.result()
+            t0 = time.perf_counter()
+            for h, x in zip(self.host, data, strict=True):
+                h[slots] = np.asarray(x)[:len(slots)]
+            self.stats.save_copy_s += time.perf_counter() - t0
+
         self.runner.update_kv_cache(gather)
-        self._pending.append((slots, box))
+        self._writes.append((set(slots.tolist()), self._writer.submit(write)))
         self.stats.bytes_to_host += len(saves) * self.block_bytes
 
     def flush(self) -> None:
-        """Copies every gathered save into the host pool, in the order they were queued
-        (a slot reused later is written later); waits for gathers not done yet."""
-        if not self._pending:
-            return
-        t0 = time.perf_counter()
-        while self._pending:
-            slots, box = self._pending.popleft()
-            if not box:  # (queued on the launch thread, not run yet)
-                self.runner.kv_cache  # noqa: B018  waits for the launches
-            for h, x in zip(self.host, box[0], strict=True):
-                h[slots] = np.asarray(x)[:len(slots)]
-        self.stats.copy_s += time.perf_counter() - t0
+        """Waits until every queued save is in the host pool."""
+        while self._writes:
+            self._writes.popleft()[1].result()
 
     def _stage_loads(self, loads: list[tuple[int, int]]) -> tuple[np.ndarray, KVCache]:
         t0 = time.perf_counter()
@@ -150,7 +170,7 @@ class KVOffloader:
         blocks[:len(loads)] = [b for _, b in loads]
         data = tuple(jax.device_put(h[slots], s)
                      for h, s in zip(self.host, self._device_shardings, strict=True))
-        self.stats.copy_s += time.perf_counter() - t0
+        self.stats.load_copy_s += time.perf_counter() - t0
         self.stats.bytes_to_device += len(loads) * self.block_bytes
         return blocks, data
 
