@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--oversubscription", type=float, default=4.0,
                     help="live history tokens / HBM pool tokens (sizes num_kv_blocks)")
-    ap.add_argument("--num-kv-blocks", type=int, default=None, help="overrides the sizing")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="overrides the sizing; 0: sized from device memory (full size)")
     ap.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB, mode 'on'")
     ap.add_argument("--modes", default="off,on,unbounded")
     ap.add_argument("--prefix-mode", default="auto", choices=["auto", "explicit"])
@@ -129,14 +130,15 @@ def main(argv: list[str] | None = None) -> None:
     live = sum(sum(map(len, c)) + args.turns * args.output_len for c in convs)
     B = args.block_size
     longest = max(sum(map(len, c)) + args.turns * args.output_len for c in convs)
-    pool = args.num_kv_blocks or max(int(live / args.oversubscription) // B,
-                                     (longest + B - 1) // B * min(args.concurrency, 4) + 2)
+    pool = args.num_kv_blocks if args.num_kv_blocks is not None else max(
+        int(live / args.oversubscription) // B,
+        (longest + B - 1) // B * min(args.concurrency, 4) + 2)
     rows = []
     for mode in args.modes.split(","):
         kw = dict(block_size=B, max_num_seqs=args.max_num_seqs, seed=args.seed,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_dtype=args.kv_cache_dtype,
-                  num_kv_blocks=pool if mode != "unbounded" else live // B + 64,
+                  num_kv_blocks=(pool or None) if mode != "unbounded" else live // B + 64,
                   kv_offloading_size=args.kv_offloading_size if mode == "on" else 0.0)
         llm = LLM(model, **kw)
         replay(llm, convs[: min(4, len(convs))], args.output_len, args.concurrency,
@@ -147,10 +149,11 @@ def main(argv: list[str] | None = None) -> None:
             llm.engine.kv_tier.offloader.stats = OffloadStats()
         if not llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused after the warm-up")
-        row = {"mode": mode, "num_kv_blocks": kw["num_kv_blocks"]} | replay(
+        row = {"mode": mode, "num_kv_blocks": llm.engine.runner.num_blocks} | replay(
             llm, convs, args.output_len, args.concurrency, args.prefix_mode == "explicit")
         rows.append(row)
         del llm
+    pool = pool or rows[0]["num_kv_blocks"]
     print(f"live history tokens {live}, HBM pool {pool} blocks x {B} = {pool * B} tokens "
           f"({live / (pool * B):.1f}x), {args.prefix_mode} prefix mode")
     keys = ["mode", "hit_rate", "host_hit_tokens", "prefill_tokens_computed", "output_tok_s",

@@ -84,7 +84,7 @@ def copy_figures(llm: LLM, prefix_len: int, repeats: int) -> dict:
             fn()
             ts.append(time.perf_counter() - t0)
         times[name] = float(np.median(ts))
-    gbs = {k: round(nbytes / v / 1e9, 2) for k, v in times.items()}
+    gbs = {k: float(f"{nbytes / v / 1e9:.3g}") for k, v in times.items()}
     del tier
     return {"bytes": nbytes, "blocks": n,
             "save_ms": round(times["save"] * 1e3, 3),

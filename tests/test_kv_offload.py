@@ -3,6 +3,8 @@ with the tier on, off and with an unbounded HBM pool, in both prefix modes, with
 under heavy eviction and preemption; blocks saved and brought back bitwise equal; the
 host pool within its bound; the saved cache's round trip and its refusals."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,22 @@ def test_saved_prefix_cache_round_trip_and_refusals(sharp, tmp_path):
         tier.kv_tier.load_file(str(bad), prefix_cache_file.identity(tier))
     assert tier.kv_tier.pool.num_used_slots == 0  # a refused file loads nothing
     assert read_blocks(tier.runner, [])[0].shape[0] == 0
+
+
+def test_benchmark_scripts_run_on_the_tiny_model(tmp_path):
+    from scripts import bench_multiturn, bench_offload
+
+    tiny = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
+            "--block-size", "8"]
+    bench_multiturn.main(tiny + ["--num-conversations", "3", "--turns", "2", "--user-len",
+                                 "12", "--output-len", "2", "--modes", "off,on",
+                                 "--kv-offloading-size", "0.01", "--oversubscription", "8",
+                                 "--json", str(tmp_path / "mt.json")])
+    rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["off", "on"]
+    assert rows[1]["prefill_tokens_computed"] <= rows[0]["prefill_tokens_computed"]
+    bench_offload.main(tiny + ["--prefix-len", "40", "--repeats", "1",
+                               "--kv-offloading-size", "0.01", "--json",
+                               str(tmp_path / "off.json")])
+    row = json.loads((tmp_path / "off.json").read_text())["row"]
+    assert row["restore_ttft_ms"] > 0 and row["restore_ms"] > 0 and row["blocks"] == 5
