@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from jprefix.benchmarks.cli import add_bench_parser, run_bench
 from jprefix.entrypoints.cli_args import DTYPES, HELP, add_engine_args
 
 DEFAULT_SYSTEM = (
@@ -73,6 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get HTTP 413")
     add_engine_args(srv)
+    add_bench_parser(sub)
     return parser
 
 
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args)
     return 2
 
 
