@@ -12,7 +12,7 @@ Conversations: ShareGPT's multi-turn ones (`--dataset sharegpt` with the sharegp
 package, or a path) tokenized with `--tokenizer`, or synthetic (`--dataset synthetic`:
 user turns of `--user-len` random tokens). Replies are `--output-len` greedy tokens.
 
-    PYTHONPATH=$PWD python scripts/bench_multiturn.py --model tiny-llama --load-format dummy \
+    python scripts/bench_multiturn.py --model tiny-llama --load-format dummy \
         --num-conversations 16 --turns 4 --oversubscription 4 --kv-offloading-size 0.01
 """
 
@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jprefix import LLM, SamplingParams, load
-from jprefix.worker.offload import OffloadStats
+import numpy as np  # noqa: E402
+
+from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.worker.offload import OffloadStats  # noqa: E402
 
 
 def synthetic_conversations(n: int, turns: int, user_len: int, vocab: int, seed: int
@@ -39,7 +44,7 @@ def synthetic_conversations(n: int, turns: int, user_len: int, vocab: int, seed:
 def sharegpt_conversations(n: int, turns: int, tokenizer_name: str, vocab: int,
                            path: str | None, max_user_len: int) -> list[list[list[int]]]:
     """The user turns of the first n ShareGPT conversations with >= turns user turns."""
-    from scripts.workloads import load_tokenizer, read_json_list, sharegpt_path
+    from jprefix.benchmarks.sharegpt import load_tokenizer, read_json_list, sharegpt_path
 
     tok = load_tokenizer(tokenizer_name)
     items, _ = read_json_list(sharegpt_path(path).read_text(encoding="utf-8",

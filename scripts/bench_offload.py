@@ -10,7 +10,7 @@ bandwidth vs a plain `jax.device_put` / `np.asarray` of the same bytes.
    scatter) of that prefix's blocks, against `jax.device_put` of one host array of the
    same bytes and `np.asarray` of one device array of the same bytes (GB/s).
 
-    PYTHONPATH=$PWD python scripts/bench_offload.py --model tiny-llama --load-format dummy \
+    python scripts/bench_offload.py --model tiny-llama --load-format dummy \
         --prefix-len 2000
 """
 
@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-import jax
-import numpy as np
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jprefix import LLM, SamplingParams, load
-from jprefix.worker.offload import KVOffloader
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.worker.offload import KVOffloader  # noqa: E402
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
