@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jprefix.core.block_manager import BlockManager
+from jprefix.core.host_pool import HostNode, HostPool
+from jprefix.core.host_tier import HostTierMixin, KVMoves
+from jprefix.core.kv_events import GPU, KVEventSink
 from jprefix.core.prefix_trie import PrefixNode, PrefixTrie, block_hash, prefix_hash_of, root_hash
 
 __all__ = ["Prefix", "PrefixCacheStats", "PrefixNode", "PrefixPool", "PrefixTrie",
@@ -26,6 +29,7 @@ class Prefix:
     token_ids: tuple[int, ...]
     salt: str | None = None
     pinned_blocks: list[int] = field(default_factory=list)
+    pinned_host: list[HostNode] = field(default_factory=list)  # its blocks only on the host
 
     @property
     def hash(self) -> int:
@@ -46,19 +50,27 @@ class PrefixCacheStats:
     num_hit_tokens: int  # of those, served from the cache
     num_cached_blocks: int  # trie nodes (in use or evictable)
     num_evictable_blocks: int  # cached blocks no request holds
+    num_host_hit_tokens: int = 0  # of the hits, brought back from the host tier
+    num_host_used_blocks: int = 0
+    num_host_free_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
-class PrefixPool:
+class PrefixPool(HostTierMixin):
     """The prefix cache the scheduler matches against, with the original's user surface:
     `add_or_get_prefix`, `delete_prefix(prefix_hash)`, pinning of warmed prefixes,
     `reset()` and hit/query counters."""
 
-    def __init__(self, block_manager: BlockManager):
+    def __init__(self, block_manager: BlockManager, host: HostPool | None = None):
+        """`host`: the host-memory tier (None: off); see `HostPool` and `KVMoves`."""
         self.block_manager = block_manager
+        self.host = host
+        self.moves = KVMoves()
+        self.num_host_hit_tokens = 0
+        self.events: KVEventSink | None = None  # KV events (engine/kv_events.py), if on
         self.block_size = block_manager.block_size
         self.trie = PrefixTrie(self.block_size)
         self._prefixes: dict[int, Prefix] = {}
@@ -91,14 +103,23 @@ class PrefixPool:
                 return
             self.block_manager.mark_cached(table[i])
             seq.num_registered_blocks += 1
+            if self.events is not None:
+                self.events.stored_block(node.prefix_hash, None if i == 0 else
+                                         parent.prefix_hash, node.tokens, GPU)
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_prompt_tokens
         self.num_hit_tokens += num_hit_tokens
 
     def _evict(self, block: int) -> None:
-        for node in self.trie.remove_subtree(self.trie.node_of(block)):
-            self.block_manager.uncache(node.block)
+        node = self.trie.node_of(block)
+        if self.host is not None:
+            self._save(node)
+        removed = self.trie.remove_subtree(node)
+        for n in removed:
+            self.block_manager.uncache(n.block)
+        if self.events is not None:
+            self.events.removed_blocks([n.prefix_hash for n in removed], GPU)
 
     # -- user side -------------------------------------------------------------------
 
@@ -136,7 +157,11 @@ class PrefixPool:
         prefix.pinned_blocks = self.cached_blocks(prefix_hash)
         for block in prefix.pinned_blocks:
             self.block_manager.incref(block)
-        return len(prefix.pinned_blocks)
+        if self.host is not None:  # the rest of its path, where on the host, stays there
+            prefix.pinned_host = self.host.match(prefix.token_ids, len(prefix.pinned_blocks),
+                                                 len(prefix.token_ids), prefix.salt)
+            self.host.incref(prefix.pinned_host)
+        return len(prefix.pinned_blocks) + len(prefix.pinned_host)
 
     def unpin(self, prefix_hash: int) -> None:
         self._unpin(self._registered(prefix_hash))
@@ -158,6 +183,8 @@ class PrefixPool:
         else:
             raise ValueError(f"prefix_hash {prefix_hash} is neither registered nor cached")
         needed = {id(n) for p in self._prefixes.values() for n in self._cached_path(p)}
+        if self.host is not None:
+            self._drop_host(prefix, path, needed)
         for node in path:
             if id(node) not in needed:
                 return self._drop(node)
@@ -168,8 +195,12 @@ class PrefixPool:
         is in use, by a request or a pin; registered prefixes stay registered."""
         if self.block_manager.num_used_blocks:
             return False
+        if self.host is not None and not self.host.clear():
+            return False
         for node in self.trie.clear():
             self.block_manager.uncache(node.block)
+        if self.events is not None:
+            self.events.all_cleared()
         return True
 
     def stats(self) -> PrefixCacheStats:
@@ -178,6 +209,9 @@ class PrefixPool:
             self.num_hit_tokens,
             len(self.trie),
             self.block_manager.num_evictable_blocks,
+            self.num_host_hit_tokens,
+            0 if self.host is None else self.host.num_used_slots,
+            0 if self.host is None else self.host.num_free_slots,
         )
 
     def _registered(self, prefix_hash: int) -> Prefix:
@@ -191,12 +225,17 @@ class PrefixPool:
     def _unpin(self, prefix: Prefix) -> None:
         self.block_manager.free(prefix.pinned_blocks)
         prefix.pinned_blocks = []
+        if self.host is not None:
+            self.host.decref(prefix.pinned_host)
+        prefix.pinned_host = []
 
     def _drop(self, node: PrefixNode) -> int:
-        freed = 0
-        for n in self.trie.remove_subtree(node):
+        freed, removed = 0, self.trie.remove_subtree(node)
+        for n in removed:
             freed += self.block_manager.ref_count(n.block) == 0
             self.block_manager.uncache(n.block)
+        if self.events is not None:
+            self.events.removed_blocks([n.prefix_hash for n in removed], GPU)
         return freed
 
     def check_invariants(self, prefix_closed: bool = True) -> None:

@@ -62,6 +62,7 @@ class PrefixTrie:
         self._roots: dict[str | None, PrefixNode] = {}
         self._by_block: dict[int, PrefixNode] = {}
         self._by_hash: dict[int, PrefixNode] = {}
+        self._salts: dict[int, str | None] = {}  # id(root) -> its salt
 
     def __len__(self) -> int:
         return len(self._by_block)
@@ -69,7 +70,14 @@ class PrefixTrie:
     def root(self, salt: str | None) -> PrefixNode:
         if salt not in self._roots:
             self._roots[salt] = PrefixNode((), -1, root_hash(salt))
+            self._salts[id(self._roots[salt])] = salt
         return self._roots[salt]
+
+    def salt_of(self, node: PrefixNode) -> str | None:
+        """The cache salt of the root above node (node itself may be a root)."""
+        while node.parent is not None:
+            node = node.parent
+        return self._salts[id(node)]
 
     def nodes(self) -> list[PrefixNode]:
         return list(self._by_block.values())
@@ -129,4 +137,5 @@ class PrefixTrie:
             for child in list(root.children.values()):
                 removed += self.remove_subtree(child)
         self._roots.clear()
+        self._salts.clear()
         return removed

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+from jprefix.core.host_pool import HostPool
 from jprefix.core.policies import parse_options
 from jprefix.core.prefix_trie import PrefixTrie, block_hash, root_hash
 
@@ -44,14 +45,16 @@ class CacheView(Protocol):
 
 
 class TrieView:
-    """A replica's `PrefixTrie` as a `CacheView` (one dict lookup per block: safe to read
-    from another thread while the replica's scheduler changes the trie)."""
+    """A replica's `PrefixTrie` (and host tier: a host-resident prefix is brought back
+    far cheaper than recomputed) as a `CacheView` (one or two dict lookups per block:
+    safe to read from another thread while the replica's scheduler changes them)."""
 
-    def __init__(self, trie: PrefixTrie):
-        self.trie = trie
+    def __init__(self, trie: PrefixTrie, host: HostPool | None = None):
+        self.trie, self.host = trie, host  # host: the replica's host tier, if any
 
     def __contains__(self, prefix_hash: object) -> bool:
-        return self.trie.find(prefix_hash) is not None
+        return self.trie.find(prefix_hash) is not None or (
+            self.host is not None and self.host.holds(prefix_hash))
 
 
 @dataclasses.dataclass

@@ -1,15 +1,13 @@
 """Scheduler: continuous batching with prefix matching, chunked prefill and preemption.
 
 Each `schedule()` fills a token budget: running sequences first (a decode is one token;
-a chunked prefill continues), then waiting ones in the order of the policy. A sequence
-admitted for the first time is matched against the prefix cache (whole blocks, leaving
-at least one prompt token to compute, since its logits are needed). Full blocks computed
-this step are inserted into the trie at schedule time, so a sequence scheduled later in
-the same step can share them (the runner writes each layer's K/V before attending).
-When blocks run out, unreferenced cached blocks are evicted (LRU, leaves first), then
-the most recently arrived running sequence is preempted by recompute. In a model whose
-every layer has a sliding window, a sequence frees the blocks that fell out of its
-window as it advances (their table entries become the null block).
+a chunked prefill continues), then waiting ones in the policy's order. A sequence
+admitted for the first time is matched against the prefix cache (whole blocks, at least
+one prompt token left to compute: its logits are needed), then the host tier. Full
+blocks computed this step enter the trie at schedule time, so a later row of the same
+step shares them (K/V are written before attention). Out of blocks: evict unreferenced
+cached blocks (LRU, leaves first), then preempt the newest running sequence (recompute).
+A model windowed on every layer frees the blocks that left the window (null entries).
 
 Scheduled tokens count as computed as soon as they are scheduled (the device runs the
 steps in order), and a sampled token counts as pending until `update` appends it. So the
@@ -115,6 +113,8 @@ class Scheduler:
             ordered = sorted(self.running.values(), key=lambda s: s.arrival_time)
             self.running = {s.request_id: s for s in ordered}
             self._running_sorted = True
+        if self.prefix_pool.moves.loading:  # host tier: copies queued last step are done
+            self.prefix_pool.finish_loads()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # no new admissions in a step that had to preempt
             self._schedule_waiting(out, budget)
@@ -181,10 +181,15 @@ class Scheduler:
                 self._ignore(seq, out)
                 continue
             n = self._admit(seq, budget)
+            if n < 0:  # its blocks come back from the host tier: it starts next step
+                break
             if n == 0:
                 if not self.running:  # nothing can free blocks for it
-                    self._ignore(seq, out)
-                    continue
+                    if self.prefix_pool.release_loaded(self.waiting):  # (host tier)
+                        continue
+                    if not self.prefix_pool.moves.loading:
+                        self._ignore(seq, out)
+                        continue
                 break
             self.waiting.remove(seq.request_id)
             self._add_running(seq)
@@ -193,12 +198,15 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Matches the prefix cache and sizes the first chunk; 0 (and no blocks held) if
-        the sequence cannot start this step."""
-        if self.config.enable_prefix_caching:
+        the sequence cannot start this step; -1 (its blocks held) while blocks it matched
+        in the host tier are copied back."""
+        if self.config.enable_prefix_caching and not seq.block_table:
             self._match(seq)
-            if self.sliding_window is not None:  # a hit longer than the window
-                release_outside_window(seq, seq.num_computed_tokens, self.sliding_window,
-                                       self.block_manager)
+            if self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)):
+                return -1
+        if self.sliding_window is not None and seq.num_computed_tokens:  # (idempotent)
+            release_outside_window(seq, seq.num_computed_tokens, self.sliding_window,
+                                   self.block_manager)
         remaining = seq.num_tokens - seq.num_computed_tokens
         chunk = self._can_chunk(seq)
         n = self._tokens_that_fit(seq, min(remaining, budget) if chunk else remaining)

@@ -26,7 +26,7 @@ def release_outside_window(seq: Sequence, start: int, window: int,
                            block_manager: BlockManager) -> None:
     """Frees seq's blocks that hold no key of the window of its query at `start` and
     points their table entries at the null block. The table is replaced, not edited in
-    place (`Sequence.block_table_array` caches it by identity); its freed entries are
+    place (the worker's `RequestRows.table` caches it by identity); its freed entries are
     always a leading run."""
     dead = (start - window + 1) // block_manager.block_size
     table = seq.block_table

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jprefix.core.routing import parse_routing_policy
+from jprefix.engine.kv_events import parse_config as parse_kv_events
 
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 # the KV cache's number format: "auto" = the model's dtype; "fp8" = "fp8_e4m3" (as vLLM)
@@ -99,6 +100,14 @@ class EngineArgs:
     num_processes: int | None = None
     process_id: int | None = None
     distributed_timeout_s: int = 60  # for every process to join; for a silent process
+    # The prefix cache's host-memory tier (jprefix.engine.kv_tier), GiB of host memory
+    # per replica (vLLM's --kv-offloading-size); 0: off
+    kv_offloading_size: float = 0.0
+    # a prefix cache saved by LLM.save_prefix_cache, loaded into the host tier at start
+    # (a tier just large enough is made when kv_offloading_size is 0)
+    prefix_cache_path: str | None = None
+    # vLLM's KVEventsConfig as JSON (jprefix.engine.kv_events): KV cache events over ZMQ
+    kv_events_config: str | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -123,6 +132,10 @@ class EngineArgs:
         if self.distributed_timeout_s < 1:
             raise ValueError(f"distributed_timeout_s must be >= 1, got "
                              f"{self.distributed_timeout_s}")
+        parse_kv_events(self.kv_events_config)  # ValueError naming a bad config
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got "
+                             f"{self.kv_offloading_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization {self.gpu_memory_utilization} is outside (0, 1]"

@@ -18,6 +18,7 @@ trie and its load, and of the rest the engine surface above.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from typing import Any
@@ -28,6 +29,8 @@ from jprefix.core.routing import Router, TrieView
 from jprefix.core.sequence import Sequence
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
+from jprefix.engine.kv_events import with_rank
+from jprefix.engine.kv_tier import host_summary
 from jprefix.engine.llm_engine import LLMEngine
 from jprefix.engine.stats import CACHE_COUNTERS, EngineStats, summarize_stats
 from jprefix.worker.parallel import device_groups
@@ -109,14 +112,17 @@ class DataParallelEngine(EngineFront):
         if replicas is None:
             self.device_groups = device_groups(args.data_parallel_size,
                                                args.tensor_parallel_size, devices)
-            replicas = [LLMEngine(model, args, devices=g) for g in self.device_groups]
+            replicas = [LLMEngine(model, dataclasses.replace(  # (own events port each)
+                args, kv_events_config=with_rank(args.kv_events_config, i)), devices=g)
+                for i, g in enumerate(self.device_groups)]
         else:
             self.device_groups = [[] for _ in replicas]
         self.replicas = replicas
         # requests are validated against the smallest context any replica's cache holds
         front = min(self.replicas, key=lambda r: r.max_model_len)
         self.model, self.inputs, self.max_model_len = front.model, front.inputs, front.max_model_len
-        self.router = Router([TrieView(r.scheduler.prefix_pool.trie) for r in self.replicas],
+        self.router = Router([TrieView(r.scheduler.prefix_pool.trie, r.scheduler.prefix_pool.host)
+                              for r in self.replicas],
                              args.block_size, args.routing_policy)
         # one set of grammar matchers for all replicas: a structured request is validated
         # (its grammar compiled) before it is routed, and the matchers are keyed by
@@ -208,7 +214,11 @@ class DataParallelEngine(EngineFront):
             s.update(replica=i, devices=[str(d) for d in self.device_groups[i]],
                      requests=routed, affinity_requests=affinity)
         return summarize_stats(reps, data_parallel_size=len(self.replicas),
-                               routing_policy=self.args.routing_policy)
+                               routing_policy=self.args.routing_policy, **host_summary(reps))
+
+    def save_prefix_cache(self, path: str) -> int:
+        raise ValueError(f"data_parallel_size {len(self.replicas)}: each replica has its own "
+                         "prefix cache (engine.replicas[i].save_prefix_cache(path))")
 
     def _shareable_blocks(self, seq: Sequence) -> int:
         """The leading blocks the replica's scheduler will match and cache for seq."""

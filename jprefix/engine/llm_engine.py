@@ -17,13 +17,18 @@ from typing import Any
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.cascade import CascadePlan, CascadePlanner
 from jprefix.core.config import SchedulerConfig
+from jprefix.core.kv_events import KVEventSink
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
+from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
 from jprefix.engine.input_processor import InputProcessor
+from jprefix.engine.kv_events import KVEventPublisher
+from jprefix.engine.kv_events import parse_config as parse_kv_events
+from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
 from jprefix.engine.stats import EngineStats, summarize_stats
@@ -56,7 +61,11 @@ class LLMEngine(EngineFront):
         cfg = model.config
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
                                                runner.num_blocks)
+        self.kv_tier = self._make_kv_tier()
         self.scheduler = self._make_scheduler(runner.num_blocks)
+        if self.args.prefix_cache_path is not None:
+            self.kv_tier.load_file(self.args.prefix_cache_path, prefix_cache_file.identity(self))
+        self.kv_events = self._make_kv_events()
         self.inputs = InputProcessor(model.tokenizer, model.name, cfg.vocab_size,
                                      self.max_model_len, self.args.seed)
         self.outputs = OutputProcessor(model.tokenizer)
@@ -87,8 +96,37 @@ class LLMEngine(EngineFront):
             max_model_len=self.max_model_len,
         )
         blocks = BlockManager(num_blocks, self.args.block_size)
-        return Scheduler(cfg, blocks, PrefixPool(blocks),
+        host = None if self.kv_tier is None else self.kv_tier.pool
+        return Scheduler(cfg, blocks, PrefixPool(blocks, host),
                          sliding_window=self.model.config.uniform_sliding_window)
+
+    def _make_kv_tier(self) -> KVTier | None:
+        """The host tier (kv_offloading_size, or the blocks of prefix_cache_path)."""
+        need = 0
+        if self.args.prefix_cache_path is not None:
+            header, _ = prefix_cache_file.read_header(self.args.prefix_cache_path)
+            need = int(header.get("num_blocks", 0)) if not self.args.kv_offloading_size else 0
+        if not (self.args.kv_offloading_size or need):
+            return None
+        return KVTier.for_args(self.runner, self.args.kv_offloading_size, self.args.block_size,
+                               need)
+
+    def _make_kv_events(self) -> KVEventPublisher | None:
+        """KV cache events (`kv_events_config`): both tiers append to one sink."""
+        cfg = parse_kv_events(self.args.kv_events_config)
+        if cfg is None:
+            return None
+        sink = self.prefix_pool.events = KVEventSink(self.args.block_size)
+        if self.kv_tier is not None:
+            self.kv_tier.pool.events = sink
+        return KVEventPublisher(cfg, sink)
+
+    def save_prefix_cache(self, path: str) -> int:
+        """Writes the prefix cache of both tiers to `path` (`prefix_cache_file`); returns
+        the blocks written. Waits for the steps in flight."""
+        with self._step_lock:
+            return save_prefix_cache(self.prefix_pool, self.kv_tier, self.runner, path,
+                                     prefix_cache_file.identity(self))
 
     @property
     def tokenizer(self):
@@ -101,7 +139,8 @@ class LLMEngine(EngineFront):
 
     def summary(self) -> dict[str, Any]:
         """/stats' body: `summarize_stats` of this engine as the one replica."""
-        return summarize_stats([self.counters() | {"replica": 0}], data_parallel_size=1)
+        reps = [self.counters() | {"replica": 0}]
+        return summarize_stats(reps, data_parallel_size=1, **host_summary(reps))
 
     def _queue(self, seq: Sequence, prompt: str | None = None) -> None:
         """Queues a validated sequence (of `make_request`); thread-safe, takes effect at
@@ -127,6 +166,8 @@ class LLMEngine(EngineFront):
             if not masks_later:
                 finished += self._sync_structured()
             out = self.scheduler.schedule()
+            staged = None if self.kv_tier is None else self.kv_tier.before_step(
+                self.prefix_pool)
             self.stats.record_schedule(out)
             finished += out.ignored
             launched = None
@@ -146,6 +187,8 @@ class LLMEngine(EngineFront):
             finally:
                 if masks_later and launched is not None:  # (its masks need done's tokens)
                     self.runner.sample(launched.handle, self.structured.bitmasks(out.scheduled))
+                if staged is not None:  # host-tier loads, after the step (they wait for it)
+                    self.kv_tier.after_step(staged)
             if (self._inflight is not None and not self._pending
                     and not self.scheduler.has_unfinished()):
                 # every sequence of the step in flight has already finished (a stop seen
@@ -154,6 +197,8 @@ class LLMEngine(EngineFront):
                 self._inflight = None
             if not self.scheduler.running:
                 self.cascade_planner.forget()  # nothing decodes: hold no finished sequence
+            if self.kv_events is not None:
+                self.kv_events.flush()
             return self._collect(finished)
 
     def _masks_later(self) -> bool:
@@ -248,7 +293,9 @@ class LLMEngine(EngineFront):
                 "num_hit_tokens": cache.num_hit_tokens, "hit_rate": cache.hit_rate,
                 "num_cached_blocks": cache.num_cached_blocks,
                 "num_evictable_blocks": cache.num_evictable_blocks,
-                "kv_used_blocks": used, "kv_total_blocks": total, "kv_usage": used / total}
+                "kv_used_blocks": used, "kv_total_blocks": total, "kv_usage": used / total,
+                "num_host_hit_tokens": cache.num_host_hit_tokens,
+                **({} if self.kv_tier is None else self.kv_tier.counters())}
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         """The step's outputs: streamed requests' progress, then the finished ones'."""

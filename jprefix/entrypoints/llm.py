@@ -202,6 +202,11 @@ class LLM:
         """Drops every unreferenced cached block; False while blocks are in use."""
         return self.prefix_pool.reset()
 
+    def save_prefix_cache(self, path: str) -> int:
+        """Writes the prefix cache (HBM and host tier) to `path`, for
+        `LLM(..., prefix_cache_path=path)`; returns the blocks written."""
+        return self.engine.save_prefix_cache(path)
+
 
 _FINAL = RequestOutputKind.FINAL_ONLY
 

@@ -85,6 +85,7 @@ class EngineCollector:
         for reason in sorted(set(FINISH_REASONS) | set(stats.finished)):
             success.add_metric([self.name, reason], stats.finished.get(reason, 0))
         yield success
+        yield from self._host_tier(s)
         for name, doc, hist in (
                 ("vllm:time_to_first_token_seconds", "Time to first token.", stats.ttft),
                 ("vllm:inter_token_latency_seconds", "Time between tokens.", stats.itl),
@@ -93,6 +94,22 @@ class EngineCollector:
             family = HistogramMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.name], hist.cumulative(), sum_value=hist.sum)
             yield family
+
+
+    def _host_tier(self, s: dict[str, Any]):
+        """The prefix cache's host tier (`--kv-offloading-size`), when it is on."""
+        if "host_used_blocks" not in s:
+            return
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        for kind, name, doc in (
+                (g, "host_used_blocks", "Host-tier KV blocks holding a cached prefix."),
+                (g, "host_free_blocks", "Host-tier KV blocks free."),
+                (c, "num_host_hit_tokens", "Prefix cache hits served from the host tier, "
+                                           "in tokens."),
+                (c, "host_bytes_to_host", "Bytes copied from device to the host tier."),
+                (c, "host_bytes_to_device", "Bytes copied from the host tier to device."),
+                (c, "host_copy_s", "Host seconds spent copying to and from the host tier.")):
+            yield self._family(kind, "jprefix:kv_offload_" + name, doc, s[name])
 
 
 def metrics_registry(llm: LLM, model_name: str) -> CollectorRegistry:

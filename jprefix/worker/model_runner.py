@@ -222,6 +222,13 @@ class ModelRunner:
         return StepHandle(self._last_launch if later is None else later.result, len(rows),
                           order, positions if kind.extra else None, later)
 
+    def update_kv_cache(self, fn: Any) -> None:
+        """Queues `fn(cache) -> cache` on the launch thread after the steps dispatched so
+        far (the host tier's copies: `jprefix.worker.offload`)."""
+        def launch() -> None:
+            self._kv_cache = fn(self._kv_cache)
+        self._last_launch = self._launcher.submit(launch)
+
     @property
     def can_mask_later(self) -> bool:
         """Whether `dispatch(masks_later=True)` works (one process: the other processes

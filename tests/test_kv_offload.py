@@ -1,0 +1,179 @@
+"""The prefix cache's host tier in the engine (`kv_offloading_size`): greedy tokens equal
+with the tier on, off and with an unbounded HBM pool, in both prefix modes, with fp8 KV,
+under heavy eviction and preemption; blocks saved and brought back bitwise equal; the
+host pool within its bound; the saved cache's round trip and its refusals."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jprefix import LLM, SamplingParams
+from jprefix.core.host_pool import HostPool
+from jprefix.core.prefix_trie import PrefixTrie, prefix_hash_of
+from jprefix.core.routing import TrieView
+from jprefix.engine import prefix_cache_file
+from jprefix.engine.kv_tier import KVTier
+from jprefix.worker.offload import KVOffloader, read_blocks
+from pallas_kernels.fp8 import quantize_rows
+
+BS = 8
+SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sharp(sharp_tiny):
+    return sharp_tiny
+
+
+def _histories(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, vocab, 4 * BS + 3).tolist() for _ in range(5)]
+
+
+def _replay(llm: LLM, histories: list[list[int]]) -> list[list[int]]:
+    """Three rounds over the histories (each 5 blocks; the pool holds ~3 of them), one at a
+    time in automatic mode, then all at once with prefix_pos (preempting)."""
+    out = []
+    for _ in range(2):
+        for h in histories:
+            out.append(llm.generate([h], SP, use_tqdm=False)[0].token_ids)
+    outs = llm.generate(histories, SP, prefix_pos=[4 * BS] * len(histories), use_tqdm=False)
+    return out + [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_tokens_equal_with_the_host_tier_on_off_and_unbounded(sharp, kv_cache_dtype):
+    histories = _histories(sharp.config.vocab_size)
+    runs, engines = {}, {}
+    for name, kw in [("off", {}), ("on", {"kv_offloading_size": 0.01}),
+                     ("unbounded", {"num_kv_blocks": 256})]:
+        args = dict(block_size=BS, num_kv_blocks=17, max_num_seqs=4, attention_backend="xla",
+                    kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64) | kw
+        llm = LLM(sharp, **args)
+        runs[name] = _replay(llm, histories)
+        engines[name] = llm.engine
+    assert runs["on"] == runs["off"] == runs["unbounded"]
+    on, off = engines["on"], engines["off"]
+    assert on.counters()["num_host_hit_tokens"] > 0
+    assert on.counters()["num_hit_tokens"] > off.counters()["num_hit_tokens"]
+    assert on.stats.num_preemptions > 0  # (the batch with prefix_pos preempts)
+    on.prefix_pool.check_invariants()
+    on.kv_tier.pool.check_invariants()
+
+
+class StubRunner:
+    """The runner surface the offloader uses: a cache and ordered updates to it."""
+
+    def __init__(self, cache):
+        self.kv_cache = cache
+
+    def update_kv_cache(self, fn):
+        self.kv_cache = fn(self.kv_cache)
+
+
+def _cache(fp8: bool):
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((2, 2, 9, 4, 8)).astype(np.float32) for _ in range(2))
+    if not fp8:
+        return k, v
+    (kq, ks), (vq, vs) = quantize_rows(k, np.dtype("float8_e4m3fn")), quantize_rows(
+        v, np.dtype("float8_e4m3fn"))
+    return kq, vq, ks, vs
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_blocks_saved_and_brought_back_are_bitwise_equal(fp8):
+    import jax.numpy as jnp
+
+    runner = StubRunner(tuple(jnp.asarray(c) for c in _cache(fp8)))
+    before = [np.asarray(c).copy() for c in runner.kv_cache]
+    off = KVOffloader(runner, 4)
+    off.after_step(off.move([(3, 0), (5, 2), (7, 1)], []))  # saves, then nothing to load
+    off.flush()
+    for h, c in zip(off.host, before, strict=True):
+        for block, slot in [(3, 0), (5, 2), (7, 1)]:
+            assert h[slot].tobytes() == c[:, :, block].tobytes()
+    off.after_step(off.move([], [(0, 1), (2, 2), (1, 4)]))  # into other blocks
+    for c, b in zip(runner.kv_cache, before, strict=True):
+        c = np.asarray(c)
+        for src, dst in [(3, 1), (5, 2), (7, 4)]:
+            assert c[:, :, dst].tobytes() == b[:, :, src].tobytes()
+        for block in (3, 5, 6, 7, 8):  # untouched
+            assert c[:, :, block].tobytes() == b[:, :, block].tobytes()
+    assert off.stats.bytes_to_host == off.stats.bytes_to_device == 3 * off.block_bytes
+
+
+def test_host_pool_never_exceeds_the_configured_size(sharp):
+    llm = LLM(sharp, block_size=BS, num_kv_blocks=17, attention_backend="xla",
+              kv_offloading_size=0.001)
+    tier = llm.engine.kv_tier
+    assert sum(h.nbytes for h in tier.offloader.host) <= 0.001 * 2**30
+    assert tier.pool.num_slots == len(tier.offloader.host[0])
+    _replay(llm, _histories(sharp.config.vocab_size))
+    assert tier.pool.num_used_slots <= tier.pool.num_slots
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        LLM(sharp, block_size=BS, num_kv_blocks=17, kv_offloading_size=-1)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        KVTier.for_args(llm.engine.runner, 1e-9, BS)
+
+
+def test_router_affinity_counts_host_resident_prefixes():
+    host = HostPool(4, 2)
+    view = TrieView(PrefixTrie(2), host)
+    assert prefix_hash_of([1, 2, 3, 4], 2) not in view
+    host.store(None, [(1, 2), (3, 4)])
+    assert prefix_hash_of([1, 2, 3, 4], 2) in view
+    assert prefix_hash_of([1, 2, 3, 4], 2, "salt") not in view
+
+
+def test_saved_prefix_cache_round_trip_and_refusals(sharp, tmp_path):
+    histories = _histories(sharp.config.vocab_size)
+    args = dict(block_size=BS, num_kv_blocks=17, attention_backend="xla")
+    first = LLM(sharp, kv_offloading_size=0.01, **args)
+    want = [first.generate([h], SP, use_tqdm=False)[0].token_ids for h in histories]
+    path = tmp_path / "cache.bin"
+    assert first.save_prefix_cache(str(path)) >= 4 * len(histories)
+    second = LLM(sharp, prefix_cache_path=str(path), **args)
+    assert second.engine.kv_tier.pool.num_used_slots >= 4 * len(histories)
+    got = [second.generate([h], SP, use_tqdm=False)[0] for h in histories]
+    assert [o.token_ids for o in got] == want
+    assert all(o.num_cached_tokens == 4 * BS for o in got)
+    assert second.stats()["num_host_hit_tokens"] == 4 * BS * len(histories)
+
+    raw = path.read_bytes()
+    bad = tmp_path / "bad.bin"
+    for data, match in [(raw[:-5], "truncated"), (raw[:-40] + bytes(40), "checksum"),
+                        (b"nope", "not a jprefix")]:
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match=match):
+            LLM(sharp, prefix_cache_path=str(bad), **args)
+    with pytest.raises(ValueError, match="block_size 8 does not match the engine's 16"):
+        LLM(sharp, prefix_cache_path=str(path), **(args | {"block_size": 16}))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(sharp, prefix_cache_path=str(path), kv_cache_dtype="fp8", **args)
+    tier = LLM(sharp, kv_offloading_size=0.01, **args).engine
+    bad.write_bytes(raw[:-40] + bytes(40))
+    with pytest.raises(ValueError, match="checksum"):
+        tier.kv_tier.load_file(str(bad), prefix_cache_file.identity(tier))
+    assert tier.kv_tier.pool.num_used_slots == 0  # a refused file loads nothing
+    assert read_blocks(tier.runner, [])[0].shape[0] == 0
+
+
+def test_benchmark_scripts_run_on_the_tiny_model(tmp_path):
+    from scripts import bench_multiturn, bench_offload
+
+    tiny = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
+            "--block-size", "8"]
+    bench_multiturn.main(tiny + ["--num-conversations", "3", "--turns", "2", "--user-len",
+                                 "12", "--output-len", "2", "--modes", "off,on",
+                                 "--kv-offloading-size", "0.01", "--oversubscription", "8",
+                                 "--json", str(tmp_path / "mt.json")])
+    rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["off", "on"]
+    assert rows[1]["prefill_tokens_computed"] <= rows[0]["prefill_tokens_computed"]
+    bench_offload.main(tiny + ["--prefix-len", "40", "--repeats", "1",
+                               "--kv-offloading-size", "0.01", "--json",
+                               str(tmp_path / "off.json")])
+    row = json.loads((tmp_path / "off.json").read_text())["row"]
+    assert row["restore_ttft_ms"] > 0 and row["restore_ms"] > 0 and row["blocks"] == 5
