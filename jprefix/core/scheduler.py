@@ -33,9 +33,8 @@ from jprefix.core.sliding_window import release_outside_window
 
 class ScheduledSeq(NamedTuple):
     """Compute the tokens at positions start..start+num_new_tokens-1 of `seq` (the last
-    of them may still be pending: sampled by the step before, not yet on the host);
-    `sample` says whether the step samples the token after them. (A NamedTuple: one is
-    made per row per step.)"""
+    may be pending: sampled by the step before, not yet on the host); `sample`: the step
+    samples the token after them. (A NamedTuple: one is made per row per step.)"""
 
     seq: Sequence
     start: int
@@ -197,9 +196,8 @@ class Scheduler:
             budget -= n
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Matches the prefix cache and sizes the first chunk; 0 (and no blocks held) if
-        the sequence cannot start this step; -1 (its blocks held) while blocks it matched
-        in the host tier are copied back."""
+        """Matches the prefix cache and sizes the first chunk; 0 (no blocks held) if it
+        cannot start this step; -1 (blocks held) while its host-tier blocks copy back."""
         if self.config.enable_prefix_caching and not seq.block_table:
             self._match(seq)
             if self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)):
