@@ -23,19 +23,9 @@ from jprefix.worker.input_batch import StepPacker
 from jprefix.worker.kv_bits import bits_dtype, bits_format, stored_values
 from jprefix.worker.kv_cache import auto_num_blocks, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
-from jprefix.worker.parallel import (
-    REPLICATED,
-    kv_sharding,
-    tp_config,
-)
+from jprefix.worker.parallel import REPLICATED, kv_sharding, tp_config
 from jprefix.worker.params import prepare_params
-from jprefix.worker.step import (
-    BACKENDS,
-    KVCache,
-    compiled_steps,
-    default_backend,
-    step_sample,
-)
+from jprefix.worker.step import BACKENDS, KVCache, compiled_steps, default_backend, step_sample
 from jprefix.worker.step_handle import MasksLater, StepHandle, to_host, unorder
 from jprefix.worker.structured import step_bitmask
 from models.config import ModelConfig
