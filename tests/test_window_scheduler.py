@@ -101,7 +101,7 @@ def step(sched, runner):
     return out, finished
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**WORKLOAD, window=st.integers(1, 9), chunked=st.booleans())
 def test_random_window_workload_frees_blocks_and_matches_the_model(
         async_, reqs, block_size, num_blocks, budget, caching, window, chunked):

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from jprefix.core.block_manager import BlockManager
+from jprefix.core.block_manager import NULL_BLOCK, BlockManager
 from jprefix.core.host_pool import HostNode, HostPool
 from jprefix.core.host_tier import HostTierMixin, KVMoves
 from jprefix.core.kv_events import GPU, KVEventSink
@@ -96,8 +96,8 @@ class PrefixPool(HostTierMixin):
         while seq.num_registered_blocks < end:
             i = seq.num_registered_blocks
             parent = self.trie.root(seq.cache_salt) if i == 0 else self.trie.node_of(table[i - 1])
-            if parent is None:  # its path was deleted while it ran
-                return
+            if parent is None or table[i] == NULL_BLOCK:  # its path was deleted while it
+                return  # ran, or its window freed the block before its last token was known
             node = self.trie.insert(parent, tuple(tokens[i * B : (i + 1) * B]), table[i])
             if node.block != table[i]:
                 return
