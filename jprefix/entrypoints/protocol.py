@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from jprefix.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jprefix.engine.input_processor import ROLES, check_message
 
 # OpenAI / vLLM fields not implemented here, with the values that mean "off" (accepted)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -39,6 +40,11 @@ class RequestError(ValueError):
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None
                    ) -> JSONResponse:
+    """OpenAI's error JSON (a lone surrogate echoed from the request is escaped: the body
+    is UTF-8)."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     kind = {401: "authentication_error", 404: "not_found_error"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse(status_code=status, headers=headers, content={
@@ -74,20 +80,58 @@ def validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
     return f"{param}: {msg}", param
 
 
+def lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(the field, the message) of the first string in a JSON value (keys included) that
+    UTF-8 cannot encode (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, (f"{path or 'the body'} is not valid Unicode: character {e.start} "
+                          "is a lone surrogate")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            found = lone_surrogate(key, where) or lone_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class Body(BaseModel):
+    """A request body: unknown fields refused, and no string anywhere in it (a key, a
+    value, nested) may hold a lone surrogate (a 400 naming its field, before any field
+    is read)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data) if isinstance(data, dict) else None
+        if found:
+            raise RequestError(found[1], found[0])
+        return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+class _Request(Body):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float | None = None  # (unset: the server's default, then 1.0)
+    top_p: float | None = None
+    top_k: int | None = None
     min_tokens: int = 0
     stop: Any = None
     stop_token_ids: list[int] | None = None
@@ -111,6 +155,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None  # (vLLM's extension, as min_p)
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    return_token_ids: bool = False  # vLLM's extension: each choice's token ids
 
     @model_validator(mode="before")
     @classmethod
@@ -132,8 +177,12 @@ class _Request(BaseModel):
             return v
         raise ValueError("must be a string or a list of strings")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """ValueError (naming the value) for a bad one; `stream_options` needs `stream`."""
+    def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
+        """ValueError (naming the value) for a bad one; `stream_options` needs `stream`.
+        `defaults` (the server's --generation-config: SamplingParams field -> value)
+        stand in for the fields the request leaves unset."""
+        d = defaults or {}
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true",
                                "stream_options")
@@ -143,14 +192,17 @@ class _Request(BaseModel):
                                "the best samples are known only at the end", "best_of")
         try:
             return SamplingParams(  # (normalises the stop lists and validates every value)
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                temperature=_or(self.temperature, d.get("temperature", 1.0)),
+                top_p=_or(self.top_p, d.get("top_p", 1.0)),
+                top_k=_or(self.top_k, d.get("top_k", -1)),
+                max_tokens=_or(self.max_tokens, d.get("max_tokens", default_max_tokens)),
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 seed=self.seed, ignore_eos=self.ignore_eos, n=n, best_of=self.best_of,
                 presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, 1.0),
-                min_p=_or(self.min_p, 0.0), logit_bias=self._logit_bias(),
+                repetition_penalty=_or(self.repetition_penalty,
+                                       d.get("repetition_penalty", 1.0)),
+                min_p=_or(self.min_p, d.get("min_p", 0.0)), logit_bias=self._logit_bias(),
                 **self._logprob_params(),
             )
         except ValueError as e:
@@ -198,10 +250,18 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, str) or (isinstance(v, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in v)):
+        if v is None or isinstance(v, str) or _is_ids(v):
             return v
-        raise ValueError("must be a string or a list of token ids")
+        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v)
+                                          or all(_is_ids(p) for p in v)):
+            return v
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of "
+                         "strings or of token-id lists (several prompts)")
+
+    def prompts(self) -> list[Any]:
+        """The request's prompts: one, or several (each with its own choices)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or _is_ids(p) else list(p)
 
     @model_validator(mode="after")
     def _has_prompt(self) -> CompletionRequest:
@@ -210,11 +270,44 @@ class CompletionRequest(_Request):
         return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in v)
+
+
+class ChatMessage(Body):
+    """One message: `content` a string or a list of text parts; the fields an assistant
+    message carries when a client sends back the reply it got (`refusal`, `annotations`,
+    `audio`, `function_call`, `tool_calls`) are accepted while null (or empty)."""
+
     role: str
-    content: str
-    name: str | None = None  # OpenAI's participant name: the chat template does not use it
+    content: Any = None
+    name: str | None = None  # OpenAI's participant name (plain text in the template)
+    tool_call_id: str | None = None
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: Any = None
+
+    @field_validator("refusal", "annotations", "audio", "function_call", "tool_calls")
+    @classmethod
+    def _null(cls, v: Any) -> Any:
+        if v not in (None, []):
+            raise ValueError(f"{v!r:.60} is not supported by this server (send null)")
+        return v
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"must be one of {', '.join(ROLES)}, got {v!r:.40}")
+        return v
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template takes it (`render_chat`)."""
+        return self.model_dump(include={"role", "content", "name", "tool_call_id"},
+                               exclude_none=True)
 
 
 class ChatRequest(_Request):
@@ -234,6 +327,11 @@ class ChatRequest(_Request):
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
+        for i, m in enumerate(self.messages):
+            try:
+                check_message(i, m.for_template())
+            except ValueError as exc:
+                raise RequestError(str(exc), str(exc).split(" ", 1)[0]) from None
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise RequestError("max_tokens and max_completion_tokens differ: send one",
