@@ -96,7 +96,7 @@ def run(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *,
 def _stats_logger(llm: LLM) -> Any:
     """Logs the engine's counters when it has requests or finished some since the last
     line (an idle server writes nothing)."""
-    seen = [-1]
+    seen = [0]
 
     def log() -> None:
         s = llm.stats()

@@ -143,8 +143,7 @@ async def serve_request(llm: LLM, cfg: ServingConfig, req: CompletionRequest | C
     if req.stream:  # validated by now, before the stream's 200 is sent
         events = _stream_events(llm, cfg, rid, groups, chat, req, echo, names)
         return StreamingResponse(events, media_type="text/event-stream")
-    outs = await until_done(request, asyncio.gather(*(llm.generate_group(g) for g in groups)),
-                            cfg.shutdown.aborted)
+    outs = await until_done(request, _generate_all(llm, groups), cfg.shutdown.aborted)
     if outs is None:  # the client left: the request was aborted, nobody reads this
         return JSONResponse(status_code=499, content={})
     if outs is _ABORTED:
@@ -157,6 +156,11 @@ async def serve_request(llm: LLM, cfg: ServingConfig, req: CompletionRequest | C
     return merged_body(cfg.name, rid, outs, chat, sp.logprobs, echo, int(time.time()),
                        names, req.return_token_ids, cfg.response_role,
                        lambda t: _decode(llm, [t]))
+
+
+async def _generate_all(llm: LLM, groups: list[SampleGroup]) -> list[RequestOutput]:
+    """Each group's merged output (a coroutine, so cancelling its task aborts them all)."""
+    return list(await asyncio.gather(*(llm.generate_group(g) for g in groups)))
 
 
 def _decode(llm: LLM, ids: list[int]) -> str:
