@@ -95,8 +95,11 @@ class StatusLine:
 
 
 def describe(llm: Any) -> str:
-    """The engine in one line: model, dtype, KV-cache blocks and the context length."""
-    engine = llm.engine
+    """The engine in one line: model, dtype, KV-cache blocks and the context length
+    (an object without an engine: its repr)."""
+    engine = getattr(llm, "engine", None)
+    if engine is None:
+        return repr(llm)
     replicas = getattr(engine, "replicas", [engine])
     first = replicas[0]
     blocks = sum(getattr(r.runner, "num_blocks", 0) for r in replicas)

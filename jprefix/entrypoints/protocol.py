@@ -92,7 +92,7 @@ def lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
     elif isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else str(key)
-            found = lone_surrogate(key, where) or lone_surrogate(item, where)
+            found = lone_surrogate(key, path) or lone_surrogate(item, where)
             if found:
                 return found
     elif isinstance(value, list):

@@ -151,8 +151,12 @@ async def serve_request(llm: LLM, cfg: ServingConfig, req: CompletionRequest | C
                            "aborted after --shutdown-timeout)", None, 503,
                            "server_shutting_down")
     if any(s.finish_reason == "error" for out in outs for s in out.outputs):
+        if field is not None:  # (its matcher failed mid-output: the request's fault)
+            raise RequestError(f"{field}: the grammar could not be followed to its end "
+                               "(a limit of the grammar engine was reached while "
+                               "generating)", field)
         raise RequestError(f"request {rid} could not be completed (it can never fit in the "
-                           "KV cache, or its grammar could not be followed)", None, 500)
+                           "KV cache)", None, 500)
     return merged_body(cfg.name, rid, outs, chat, sp.logprobs, echo, int(time.time()),
                        names, req.return_token_ids, cfg.response_role,
                        lambda t: _decode(llm, [t]))
