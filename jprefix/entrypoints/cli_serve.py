@@ -27,6 +27,7 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                      "max_new_tokens": "max_tokens"}
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer="  # (= worker.xla_flags')
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 REFUSED = {
     "--pipeline-parallel-size": "pipeline parallelism is not implemented: split a model "
@@ -199,9 +200,7 @@ def _prepare_loading(args: argparse.Namespace, model: str) -> str:
         import huggingface_hub.constants as hub
 
         hub.HF_HUB_CACHE = args.download_dir
-    if args.enforce_eager:
-        from jprefix.worker.xla_flags import COMMAND_BUFFER_FLAG
-
+    if args.enforce_eager:  # (the last occurrence of an XLA flag wins)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}"
     if args.revision is None:
         return model

@@ -57,12 +57,15 @@ def _tokenize(llm: LLM, req: TokenizeRequest) -> list[int]:
     return tokenizer(req.prompt, add_special_tokens=special).input_ids
 
 
+def model_card(name: str, created: int, llm: LLM) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "jprefix",
+            "max_model_len": llm.engine.max_model_len}
+
+
 def add_info_routes(app: FastAPI, llm: LLM, name: str, check_model: Any, created: int
                     ) -> None:
     """Adds the routes; `check_model(requested, served)` raises 404 for another model;
     `created`: the model's timestamp in /v1/models."""
-    from jprefix.entrypoints.openai_server import model_card
-
     registry = metrics_registry(llm, name)
 
     @app.get("/v1/models/{model_id:path}")

@@ -26,15 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from jprefix.entrypoints.info_routes import add_info_routes
+from jprefix.entrypoints.errors import RequestError, error_response, validation_message
+from jprefix.entrypoints.info_routes import add_info_routes, model_card
 from jprefix.entrypoints.llm import LLM
-from jprefix.entrypoints.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    RequestError,
-    error_response,
-    validation_message,
-)
+from jprefix.entrypoints.protocol import ChatRequest, CompletionRequest
 from jprefix.entrypoints.serving import ServingConfig, serve_request
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # (= cli.py's): a 128k-token prompt
@@ -144,11 +139,6 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
     return app
 
 
-def model_card(name: str, created: int, llm: LLM) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "jprefix",
-            "max_model_len": llm.engine.max_model_len}
-
-
 def _check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise RequestError(f"the model {requested!r} does not exist: this server serves "
@@ -192,6 +182,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> None:
     """Runs the server until stopped (`server_run.run`: uvicorn, a bounded shutdown);
     `kwargs`: build_app's and run's."""
+    import inspect
+
     from jprefix.entrypoints.server_run import run
 
-    run(llm, host, port, **kwargs)
+    names = set(inspect.signature(run).parameters)
+    app = build_app(llm, **{k: v for k, v in kwargs.items() if k not in names})
+    run(app, llm, host, port, **{k: v for k, v in kwargs.items() if k in names})

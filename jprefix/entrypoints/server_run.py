@@ -20,7 +20,6 @@ from typing import Any
 import uvicorn
 
 from jprefix.entrypoints.llm import LLM
-from jprefix.entrypoints.openai_server import build_app
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 _POLLS = ("/health", "/ping", "/metrics")
@@ -69,18 +68,16 @@ class _Server(uvicorn.Server):
                                             self.shutdown_state.aborted.set)
 
 
-def run(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *,
+def run(app: Any, llm: LLM, host: str = "127.0.0.1", port: int = 8000, *,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "info",
         access_log: bool = True, access_log_health: bool = False, log_stats: bool = True,
-        uds: str | None = None,
-        ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
-        **app_kwargs: Any) -> None:
-    """Serves `llm` until stopped; `app_kwargs`: build_app's. `uds`: a Unix socket path
-    instead of host and port; `log_stats`: an engine stats line every 10 s while it has
-    work."""
+        uds: str | None = None, ssl_keyfile: str | None = None,
+        ssl_certfile: str | None = None) -> None:
+    """Serves `app` (openai_server.build_app's, serving `llm`) until stopped. `uds`: a
+    Unix socket path instead of host and port; `log_stats`: an engine stats line every
+    10 s while it has work."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
-    app = build_app(llm, **app_kwargs)
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level=log_level,
                             access_log=access_log, ssl_keyfile=ssl_keyfile,
                             ssl_certfile=ssl_certfile,
