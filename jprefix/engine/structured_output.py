@@ -114,7 +114,8 @@ class StructuredOutputManager:
         except ValueError as exc:
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        error = matcher.get_error() if matcher.is_error() else self._probe(matcher)
+        error = short_error(matcher.get_error(), 500) if matcher.is_error() \
+            else self._probe(matcher)
         if error:
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {error}")
         with self._lock:
