@@ -65,7 +65,7 @@ class _Server(uvicorn.Server):
                          "exit at once\n")
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.call_later, self.timeout,
-                                            self.shutdown_state.aborted.set)
+                                            self.shutdown_state.abort)
 
 
 def run(app: Any, llm: LLM, host: str = "127.0.0.1", port: int = 8000, *,

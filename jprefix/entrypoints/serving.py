@@ -13,13 +13,12 @@ is "abort", a plain request gets a 503 error."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -32,6 +31,7 @@ from jprefix.engine.parallel_sampling import SampleGroup
 from jprefix.entrypoints.guided import FIELDS, grammar_error, structured_params
 from jprefix.entrypoints.llm import LLM
 from jprefix.entrypoints.protocol import ChatRequest, CompletionRequest, RequestError
+from jprefix.entrypoints.serving_control import ABORTED, Shutdown, interleaved, until_done
 from jprefix.entrypoints.serving_format import (
     TokenNames,
     chat_logprobs,
@@ -42,16 +42,6 @@ from jprefix.entrypoints.serving_format import (
 # vLLM's default for /v1/completions; chat defaults to the rest of the context
 COMPLETION_MAX_TOKENS = 16
 logger = logging.getLogger(__name__)
-_ABORTED = object()  # until_done's answer when the server aborted the request
-
-
-class Shutdown:
-    """The server's shutdown state: `draining` once a stop signal came (new requests get
-    503), `aborted` set when the drain time is over (running requests are aborted)."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.aborted = asyncio.Event()
 
 
 @dataclasses.dataclass
@@ -143,10 +133,10 @@ async def serve_request(llm: LLM, cfg: ServingConfig, req: CompletionRequest | C
     if req.stream:  # validated by now, before the stream's 200 is sent
         events = _stream_events(llm, cfg, rid, groups, chat, req, echo, names)
         return StreamingResponse(events, media_type="text/event-stream")
-    outs = await until_done(request, _generate_all(llm, groups), cfg.shutdown.aborted)
+    outs = await until_done(request, _generate_all(llm, groups), cfg.shutdown.aborted())
     if outs is None:  # the client left: the request was aborted, nobody reads this
         return JSONResponse(status_code=499, content={})
-    if outs is _ABORTED:
+    if outs is ABORTED:
         raise RequestError("the server shut down before the request finished (it was "
                            "aborted after --shutdown-timeout)", None, 503,
                            "server_shutting_down")
@@ -173,74 +163,6 @@ def _decode(llm: LLM, ids: list[int]) -> str:
     if llm.tokenizer is None:
         return "".join(f"token_id:{t}" for t in ids)
     return llm.tokenizer.decode(ids, skip_special_tokens=False)
-
-
-async def until_done(request: Request, work: Awaitable[Any],
-                     aborted: asyncio.Event | None = None) -> Any:
-    """`work`'s result; None after cancelling it when the client disconnects first, or
-    _ABORTED when `aborted` is set first (cancelling a generation aborts its request and
-    frees its blocks)."""
-    task = asyncio.ensure_future(work)
-    watches = [asyncio.ensure_future(_disconnected(request))]
-    if aborted is not None:
-        watches.append(asyncio.ensure_future(aborted.wait()))
-    try:
-        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for watch in watches:
-            watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if not task.cancelled():
-        return task.result()
-    return _ABORTED if aborted is not None and aborted.is_set() else None
-
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body is read by now, so the server's next
-    message for this request is its disconnect, sent once the client goes away)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _interleaved(llm: LLM, groups: list[SampleGroup], aborted: asyncio.Event
-                       ) -> AsyncIterator[RequestOutput]:
-    """Every output of the groups' samples as steps produce them, until each has its last
-    one or `aborted` is set (then the rest are aborted: leaving aborts them)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(group: SampleGroup) -> None:
-        try:
-            async for out in llm.stream_group(group):
-                queue.put_nowait(out)
-        except Exception as exc:  # (to the reader)
-            queue.put_nowait(exc)
-        queue.put_nowait(None)
-
-    pumps = [asyncio.ensure_future(pump(g)) for g in groups]
-    stop = asyncio.ensure_future(aborted.wait())
-    left = len(pumps)
-    try:
-        while left:
-            get = asyncio.ensure_future(queue.get())
-            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                return
-            item = get.result()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                left -= 1
-            else:
-                yield item
-    finally:
-        stop.cancel()
-        for task in pumps:
-            task.cancel()
 
 
 class _Choice:
@@ -288,7 +210,7 @@ async def _stream_events(llm: LLM, cfg: ServingConfig, rid: str, groups: list[Sa
     for i in range(len(choices)):
         yield chunk(i, echo[i // n] if echo else "", first=True)
     completion, cached = 0, 0
-    async for out in _interleaved(llm, groups, cfg.shutdown.aborted):
+    async for out in interleaved(llm, groups, cfg.shutdown.aborted()):
         i = index[out.request_id]
         completion += len(out.token_ids)
         cached += out.num_cached_tokens if i % n == 0 else 0
