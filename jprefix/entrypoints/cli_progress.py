@@ -69,9 +69,9 @@ class StatusLine:
     """One line of progress on a terminal (rewritten in place), or plain lines at most
     every `every` seconds elsewhere."""
 
-    def __init__(self, stream: TextIO = sys.stderr, every: float = 5.0):
-        self.stream, self.every = stream, every
-        self.tty = stream.isatty()
+    def __init__(self, stream: TextIO | None = None, every: float = 5.0):
+        self.stream, self.every = stream or sys.stderr, every
+        self.tty = self.stream.isatty()
         self._last, self._shown = 0.0, False
 
     def show(self, text: str, force: bool = False) -> None:
