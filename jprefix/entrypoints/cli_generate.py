@@ -174,9 +174,7 @@ def run_generate(args) -> int:
     start = time.perf_counter()
     if args.stream:
         answers = asyncio.run(_stream(llm, prompts, params, prefix_pos, users, status))
-        stepper = llm._driver.thread  # (a step may be in flight: never exit under it)
-        if stepper is not None:
-            stepper.join()
+        llm.wait_idle()  # (a step may still be in flight: never exit under it)
     else:
         outs = llm.generate(prompts, params, prefix_pos=prefix_pos,
                             use_tqdm=args.progress_bar is not False and sys.stderr.isatty())
