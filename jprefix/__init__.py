@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jprefix.core.outputs import CompletionOutput, Logprob, RequestOutput
+    from jprefix.core.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
     from jprefix.core.sampling_params import SamplingParams
     from jprefix.core.structured_outputs import StructuredOutputsParams
     from jprefix.engine.args import EngineArgs
@@ -29,6 +29,7 @@ _EXPORTS = {
     "CompletionOutput": "jprefix.core.outputs",
     "Logprob": "jprefix.core.outputs",
     "RequestOutput": "jprefix.core.outputs",
+    "RequestOutputKind": "jprefix.core.outputs",
     "SamplingParams": "jprefix.core.sampling_params",
     "StructuredOutputsParams": "jprefix.core.structured_outputs",
     "LoadedModel": "models.loader",
@@ -43,6 +44,7 @@ __all__ = [
     "LoadedModel",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "generate",

@@ -5,12 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "baichuan")
+from models.config_families import qk_norm_and_expert_fields
+
+ARCHS = ("llama", "mistral", "qwen2", "baichuan", "qwen3", "mixtral", "qwen3_moe")
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "BaichuanForCausalLM": "baichuan",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "llama3", "linear")
 POSITION_EMBEDDINGS = ("rope", "alibi")
@@ -29,6 +34,11 @@ class ModelConfig:
     loaders and init_params normalise once). `checkpoint_quantization` "fp8": the
     checkpoint stores its linear weights in fp8 with scales (`fp8_checkpoint`); the
     loader dequantises them and the engine serves with `quantization="fp8"`.
+
+    `qk_norm`: q and k RMS-normalised per head before RoPE (models.norms), epsilon
+    `qk_norm_eps` (None: `rms_norm_eps`). `num_experts` > 0: every layer's MLP is that
+    many experts of F = `intermediate_size`, `num_experts_per_tok` per token, weighted by
+    the top-k of the router's softmax, renormalised if `norm_topk_prob` (models.moe).
     """
 
     arch: str
@@ -52,6 +62,11 @@ class ModelConfig:
     position_embedding: str = "rope"
     norm_head: bool = False
     checkpoint_quantization: str | None = None
+    qk_norm: bool = False
+    qk_norm_eps: float | None = None
+    num_experts: int = 0  # (0: a dense MLP)
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -70,6 +85,19 @@ class ModelConfig:
             raise ValueError("norm_head=True with tie_word_embeddings=True: a NormHead is "
                              "its own lm_head")
         _check_rope_type(self.rope_scaling_dict.get("rope_type", "default"))
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts} with num_experts_per_tok="
+                             f"{self.num_experts_per_tok}: need 1 <= top-k <= experts")
+
+    @property
+    def moe(self) -> bool:
+        """True for mixture-of-experts models (every layer's MLP is routed)."""
+        return self.num_experts > 0
+
+    @property
+    def eps_qk(self) -> float:
+        """The q/k norms' epsilon (`qk_norm_eps`, else `rms_norm_eps`)."""
+        return self.rms_norm_eps if self.qk_norm_eps is None else self.qk_norm_eps
 
     @property
     def alibi(self) -> bool:
@@ -102,7 +130,7 @@ class ModelConfig:
         theta, scaling = _hf_rope(hf)
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        return cls(
+        return dataclasses.replace(cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -119,7 +147,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-        )
+        ), **qk_norm_and_expert_fields(hf, arch))
 
 
 from_hf_config = ModelConfig.from_hf_config
@@ -271,6 +299,22 @@ PRESETS: dict[str, ModelConfig] = {
                                   position_embedding="alibi", norm_head=True),
     "tiny-baichuan2-rope": _tiny("baichuan", vocab_size=BAICHUAN2_VOCAB_SIZE, num_kv_heads=4,
                                  rms_norm_eps=1e-6, norm_head=True),
+    "qwen3-8b": ModelConfig(
+        "qwen3", 151936, 4096, 12288, 36, 32, 8, 128, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,),
+        qk_norm=True),
+    # intermediate_size is each expert's (moe_intermediate_size); every layer is sparse
+    "qwen3-30b-a3b": ModelConfig(
+        "qwen3_moe", 151936, 2048, 768, 48, 32, 4, 128, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,),
+        qk_norm=True, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+    "mixtral-8x7b": ModelConfig(
+        "mixtral", 32000, 4096, 14336, 32, 32, 8, 128, rope_theta=1e6,
+        max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2),
+    "tiny-qwen3": _tiny("qwen3", rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True),
+    "tiny-mixtral": _tiny("mixtral", intermediate_size=48, num_experts=4, num_experts_per_tok=2),
+    "tiny-qwen3-moe": _tiny("qwen3_moe", intermediate_size=32, rms_norm_eps=1e-6, qk_norm=True,
+                            num_experts=8, num_experts_per_tok=3),
     "tiny-smollm2": _tiny("llama", hidden_size=96, num_heads=6, num_kv_heads=2,
                           tie_word_embeddings=True, rope_theta=100000.0),
 }

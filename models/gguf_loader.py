@@ -2,10 +2,15 @@
 
 llama.cpp's converter permutes the rows of Q/K projections of the `llama` architecture for
 its interleaved RoPE; we undo it so the weights use Hugging Face's rotate_half layout.
+Qwen3 (`qwen3`) adds q/k norms; a mixture of experts (`qwen3moe`, and Mixtral, which
+llama.cpp files as `llama` with `llama.expert_count`) stores each layer's experts merged,
+`ffn_{gate,up,down}_exps` ([X, out, in] once the dimensions are reversed), and its router
+`ffn_gate_inp`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +20,25 @@ from models.config import ModelConfig
 from models.llama import Params
 from models.weights import build_params
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 _TOP_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
               "lm_head": "output.weight"}
 _LAYER_NAMES = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
     "wv": "attn_v.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
-    "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+    "w_up": "ffn_up.weight", "w_down": "ffn_down.weight", "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight", "router": "ffn_gate_inp.weight",
 }
+_EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight",
+                 "w_down": "ffn_down_exps.weight"}
 
 
-def gguf_tensor_name(field: str, layer: int | None) -> str:
-    return _TOP_NAMES[field] if layer is None else f"blk.{layer}.{_LAYER_NAMES[field]}"
+def gguf_tensor_name(field: str, layer: int | None, moe: bool = False) -> str:
+    if layer is None:
+        return _TOP_NAMES[field]
+    names = _EXPERT_NAMES if moe and field in _EXPERT_NAMES else _LAYER_NAMES
+    return f"blk.{layer}.{names[field]}"
 
 
 def open_gguf(path: Path) -> Any:
@@ -74,8 +85,10 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         scaling = (("factor", float(meta("rope.scaling.factor"))), ("rope_type", "linear"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        arch=_ARCHS[gguf_arch],
+    experts = _field(reader, f"{gguf_arch}.expert_count", 0) or 0
+    arch = "mixtral" if gguf_arch == "llama" and experts else _ARCHS[gguf_arch]
+    cfg = ModelConfig(
+        arch=arch,
         vocab_size=meta("vocab_size", len(tokens) if tokens is not None else None),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
@@ -92,6 +105,12 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
     )
+    if arch == "qwen3_moe":
+        cfg = dataclasses.replace(cfg, intermediate_size=meta("expert_feed_forward_length"))
+    return dataclasses.replace(
+        cfg, qk_norm=arch in ("qwen3", "qwen3_moe"), num_experts=experts,
+        num_experts_per_tok=meta("expert_used_count") if experts else 0,
+        norm_topk_prob=True)  # (llama.cpp renormalises these architectures' top-k always)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -109,10 +128,10 @@ def load_gguf(path: Path, dtype: Any, shardings: Params | None = None,
     cfg = gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     unpermute = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads,
-                 "bk": cfg.num_kv_heads} if cfg.arch == "llama" else {}
+                 "bk": cfg.num_kv_heads} if cfg.arch in ("llama", "mixtral") else {}
 
     def get(field: str, layer: int | None) -> tuple[np.ndarray, str]:
-        name = gguf_tensor_name(field, layer)
+        name = gguf_tensor_name(field, layer, cfg.moe)
         if name not in tensors:
             raise ValueError(f"{path}: missing tensor {name}")
         t = tensors[name]

@@ -32,16 +32,22 @@ def param_partition_specs(cfg: ModelConfig, axis: str = "tp", kv_split: bool = T
     (Megatron-style).
 
     Q/K/V and gate/up are split by output (heads / F), wo and w_down by input; norms are
-    replicated; embed and lm_head are split on the hidden / vocab axis. `kv_split` False
+    replicated; embed and lm_head are split on the hidden / vocab axis. A mixture of
+    experts splits each expert's F the same way (gate/up [L, X, E, F] by F, down
+    [L, X, F, E] by F) and replicates the router and the q/k norms. `kv_split` False
     (fewer kv heads than shards) replicates K/V's weights whole on every device, for
     `jprefix.worker.parallel.replicate_kv_heads` to expand.
     """
     col, row, rep = P(None, None, axis), P(None, axis, None), P()
     bias = P(None, axis) if cfg.attention_bias else None
     kv, kv_bias = (col, bias) if kv_split else (rep, None if bias is None else rep)
+    mlp_col, mlp_row = (P(None, None, None, axis), P(None, None, axis, None)) if cfg.moe \
+        else (col, row)
+    qk = rep if cfg.qk_norm else None
     layers = LayerParams(
         attn_norm=rep, wq=col, wk=kv, wv=kv, bq=bias, bk=kv_bias, bv=kv_bias, wo=row,
-        mlp_norm=rep, w_gate=col, w_up=col, w_down=row)
+        mlp_norm=rep, w_gate=mlp_col, w_up=mlp_col, w_down=mlp_row, q_norm=qk, k_norm=qk,
+        router=rep if cfg.moe else None)
     lm_head = None if cfg.tie_word_embeddings else P(None, axis)
     return Params(embed=P(None, axis), layers=layers, final_norm=rep, lm_head=lm_head)
 
@@ -158,7 +164,8 @@ _MLP = ("w_gate", "w_up", "w_down")
 def quantize_linears(params: Params, keep_last_mlp: bool = True) -> Params:
     """The params with the linear layers' weights fp8 `Fp8Weight`s (per output channel
     scales, `models.fp8_linear`), in any layout (fused columns quantise as their parts
-    would: the scales are per column); embed, norms, biases and lm_head unchanged.
+    would: the scales are per column; a mixture of experts' per expert and column);
+    embed, norms, biases, the router and lm_head unchanged.
     Weights already fp8 are kept. Idempotent.
 
     `keep_last_mlp`: the last layer's MLP (gate, up, down) stays in the model dtype. Its

@@ -1,6 +1,6 @@
-"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2, Baichuan2) over a
-params pytree. Baichuan2 is a Llama with RoPE (7B) or ALiBi (13B, no rotation) and a
-NormHead (`normalize_head`).
+"""Functional Llama-family decoder (Llama-2/3, Mistral, Qwen2, SmolLM2, Baichuan2, Qwen3,
+Mixtral, Qwen3-MoE) over a params pytree. Baichuan2: RoPE (7B) or ALiBi (13B) and a NormHead
+(`normalize_head`); Qwen3: q/k norms (models.norms); Mixtral, Qwen3-MoE: experts (models.moe).
 
 Shape letters: T tokens, S sequences, L layers, H query heads, K kv heads, G = H // K,
 D head dim, E hidden, F mlp hidden, V vocab. Query head h uses kv head h // G.
@@ -23,6 +23,8 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.fp8_linear import Fp8Weight, fp8_matmul
+from models.moe import ExpertsFn, moe_mlp
+from models.norms import qk_norm, qk_norm_fused, rms_norm
 
 # attn_fn(q [...,H,D], k [...,K,D], v [...,K,D], cache, layer: int32 scalar)
 #   -> (out [...,H,D], cache)
@@ -67,6 +69,10 @@ class LayerParams:
     Fused form (layout "fused"): `wq` holds [wq | wk | wv] (and `bq` the three biases)
     with `wk`/`wv`/`bk`/`bv` None, and `w_gate` holds [w_gate | w_up] with `w_up` None:
     one matmul each instead of three and two.
+
+    Optional (None without the feature): `q_norm` / `k_norm`, per-head q/k RMSNorm weights
+    (`cfg.qk_norm`, before RoPE); `router` (`cfg.moe`), whose MLP fields hold one matrix
+    per expert: w_gate / w_up [L, X, E, F], w_down [L, X, F, E] (X experts).
     """
 
     attn_norm: jax.Array  # [L, E]
@@ -81,6 +87,9 @@ class LayerParams:
     w_gate: jax.Array  # [L, E, F]
     w_up: jax.Array  # [L, E, F]
     w_down: jax.Array  # [L, F, E]
+    q_norm: jax.Array | None = None  # [L, D]
+    k_norm: jax.Array | None = None  # [L, D]
+    router: jax.Array | None = None  # [L, E, X]
 
 
 @jax.tree_util.register_dataclass
@@ -133,12 +142,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
     """A stacked Params pytree of shape tuples (leading L axis on layer fields)."""
     e, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias = cfg.attention_bias
+    bias, qk, x = cfg.attention_bias, (n, cfg.head_dim) if cfg.qk_norm else None, cfg.num_experts
+    per = (n, x) if cfg.moe else (n,)  # one MLP per layer, or one per expert
     layers = LayerParams(
         attn_norm=(n, e), wq=(n, e, hd), wk=(n, e, kd), wv=(n, e, kd),
         bq=(n, hd) if bias else None, bk=(n, kd) if bias else None,
         bv=(n, kd) if bias else None, wo=(n, hd, e), mlp_norm=(n, e),
-        w_gate=(n, e, f), w_up=(n, e, f), w_down=(n, f, e))
+        w_gate=(*per, e, f), w_up=(*per, e, f), w_down=(*per, f, e), q_norm=qk, k_norm=qk,
+        router=(n, e, x) if cfg.moe else None)
     lm_head = None if cfg.tie_word_embeddings else (e, v)
     return Params(embed=(v, e), layers=layers, final_norm=(e,), lm_head=lm_head)
 
@@ -156,13 +167,6 @@ def normalize_head(lm_head: jax.Array) -> jax.Array:
     w = lm_head.astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(w * w, axis=0, keepdims=True))
     return (w / jnp.maximum(norm, 1e-12)).astype(lm_head.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back, then scaled (HF order)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -220,8 +224,10 @@ def _qkv(h: jax.Array, lp: LayerParams, cfg: ModelConfig, linear: LinearFn, fuse
             v.reshape(*lead, cfg.num_kv_heads, d))
 
 
-def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, fused: bool
-         ) -> jax.Array:
+def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, fused: bool,
+         cfg: ModelConfig, experts_fn: ExpertsFn | None) -> jax.Array:
+    if lp.router is not None:  # mixture of experts (models.moe)
+        return moe_mlp(h, lp.router, lp.w_gate, lp.w_up, lp.w_down, cfg, experts_fn)
     if fused:  # [w_gate | w_up] (per shard: see Params.shards)
         act = col_linear(h, lp.w_gate, "silu_mul")
     else:
@@ -231,8 +237,8 @@ def _mlp(h: jax.Array, lp: LayerParams, linear: LinearFn, col_linear: LinearFn, 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             cache: Any, attn_fn: AttnFn, linear: LinearFn = dense_linear,
-            qkv_attn_fn: QKVAttnFn | None = None, col_linear: LinearFn | None = None
-            ) -> tuple[jax.Array, Any]:
+            qkv_attn_fn: QKVAttnFn | None = None, col_linear: LinearFn | None = None,
+            experts_fn: ExpertsFn | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder on token_ids/positions [...]; returns (hidden [..., E] normed, cache).
 
     `params.layout` (checked by `check_layout`, at trace time) decides how the layers run:
@@ -249,6 +255,9 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     a `col_linear` that applies "silu_mul" within each shard's block (a per-shard
     function, e.g. under shard_map): ValueError without one.
 
+    A mixture of experts runs its experts through `experts_fn` (default models.moe's; one
+    per device under tensor parallelism, required by params fused over shards).
+
     An ALiBi model (`cfg.alibi`) rotates nothing: its attention adds the bias, with the
     slopes of `models.alibi.model_slopes(cfg)`, which `attn_fn` must apply (the engine's
     step and models.reference's attention do). `qkv_attn_fn` (RoPE fused into the KV
@@ -259,11 +268,13 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
         raise ValueError("qkv_attn_fn applies RoPE; an ALiBi model takes attn_fn only")
     if params.shards > 1 and col_linear is None:
         raise ValueError(f"params fused over {params.shards} shards need a col_linear")
+    if params.shards > 1 and cfg.moe and experts_fn is None:
+        raise ValueError(f"experts fused over {params.shards} shards need an experts_fn")
     x = params.embed[token_ids]
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=rope_inv_freq(cfg),
                              attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
                              fused=params.layout == "fused", shards=params.shards,
-                             col_linear=col_linear or linear)
+                             col_linear=col_linear or linear, experts_fn=experts_fn)
     if params.layout == "stacked":
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
@@ -275,21 +286,25 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
 
 def _layer(carry: tuple[jax.Array, Any], xs: tuple[LayerParams, jax.Array], *, cfg: ModelConfig,
            positions: jax.Array, inv_freq: jax.Array, attn_fn: AttnFn, linear: LinearFn,
-           qkv_attn_fn: QKVAttnFn | None, fused: bool, shards: int, col_linear: LinearFn):
+           qkv_attn_fn: QKVAttnFn | None, fused: bool, shards: int, col_linear: LinearFn,
+           experts_fn: ExpertsFn | None):
     x, cache = carry
     lp, layer = xs
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if fused and qkv_attn_fn is not None:
-        qkv = _fused_qkv(h, lp, col_linear)
+        qkv = qk_norm_fused(_fused_qkv(h, lp, col_linear), lp.q_norm, lp.k_norm, cfg.eps_qk,
+                            cfg.num_heads, cfg.num_kv_heads, shards)  # (before its RoPE)
         out, cache = qkv_attn_fn(qkv.reshape(-1, qkv.shape[-1]), positions.reshape(-1),
                                  inv_freq, cache, layer)  # (out [T, H, D], reshaped below)
     else:
         q, k, v = _qkv(h, lp, cfg, col_linear, fused, shards)
+        q, k = qk_norm(q, k, lp.q_norm, lp.k_norm, cfg.eps_qk)
         if not cfg.alibi:
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attn_fn(q, k, v, cache, layer)
     x = x + linear(out.astype(x.dtype).reshape(*x.shape[:-1], -1), lp.wo)
-    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused)
+    x = x + _mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp, linear, col_linear, fused,
+                 cfg, experts_fn)
     return (x, cache), None
 
 

@@ -3,7 +3,11 @@
 Llama, Mistral, Qwen2 and Baichuan2 name their tensors alike, except that Baichuan2 packs
 Q/K/V into one `self_attn.W_pack.weight` [3E, E] (rows: q, then k, then v) and its
 `lm_head.weight` is a NormHead's, whose rows are normalised here once (see
-`models.llama.normalize_head`). PyTorch `.bin` checkpoints (what the Baichuan2 repositories
+`models.llama.normalize_head`). Qwen3's q/k norms are `self_attn.q_norm` / `k_norm`; a
+mixture of experts saves one tensor per expert (Mixtral: `block_sparse_moe.experts.{j}.w1`
+(gate), `w3` (up), `w2` (down) and the router `block_sparse_moe.gate`; Qwen3-MoE:
+`mlp.experts.{j}.gate_proj` / `up_proj` / `down_proj` and `mlp.gate`), which are read
+and stacked on the expert axis. PyTorch `.bin` checkpoints (what the Baichuan2 repositories
 ship) are not read: convert them to safetensors first.
 
 An fp8 checkpoint (`models.config.fp8_checkpoint`) stores linear weights as F8_E4M3
@@ -46,7 +50,18 @@ _LAYER_NAMES = {
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
     "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight",
+    "w_down": "mlp.down_proj.weight", "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+# mixture of experts: arch -> (router name, expert j's name per MLP field)
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", {
+        "w_gate": "block_sparse_moe.experts.{j}.w1.weight",
+        "w_up": "block_sparse_moe.experts.{j}.w3.weight",
+        "w_down": "block_sparse_moe.experts.{j}.w2.weight"}),
+    "qwen3_moe": ("mlp.gate.weight", {
+        "w_gate": "mlp.experts.{j}.gate_proj.weight", "w_up": "mlp.experts.{j}.up_proj.weight",
+        "w_down": "mlp.experts.{j}.down_proj.weight"}),
 }
 
 
@@ -54,13 +69,19 @@ _W_PACK = "self_attn.W_pack.weight"
 _PACKED = ("wq", "wk", "wv")  # W_pack's row blocks, in order
 
 
-def hf_tensor_name(field: str, layer: int | None, arch: str = "llama") -> str:
+def hf_tensor_name(field: str, layer: int | None, arch: str = "llama",
+                   expert: int | None = None) -> str:
     """The HF state-dict name of a Params field (at `layer` for per-layer fields); for
-    Baichuan2's wq/wk/wv, the `W_pack` tensor that holds them."""
+    Baichuan2's wq/wk/wv, the `W_pack` tensor that holds them; for a mixture of experts'
+    router and MLP fields, its router's or `expert`'s tensor."""
     if layer is None:
         return _TOP_NAMES[field]
     if arch == "baichuan" and field in _PACKED:
         return f"model.layers.{layer}.{_W_PACK}"
+    if arch in _MOE_NAMES and (field == "router" or field in _MOE_NAMES[arch][1]):
+        router, experts = _MOE_NAMES[arch]
+        name = router if field == "router" else experts[field].format(j=expert)
+        return f"model.layers.{layer}.{name}"
     return f"model.layers.{layer}.{_LAYER_NAMES[field]}"
 
 
@@ -189,7 +210,17 @@ def load_hf_checkpoint(directory: Path, dtype: Any, shardings: Params | None = N
     tensors = open_tensors(directory)
 
     def get(field: str, layer: int | None) -> tuple[np.ndarray, str]:
-        name = hf_tensor_name(field, layer, cfg.arch)
+        if cfg.moe and field in _MOE_NAMES[cfg.arch][1] and layer is not None:
+            names = [hf_tensor_name(field, layer, cfg.arch, j) for j in range(cfg.num_experts)]
+            arrs = [read(field, name)[0] for name in names]
+            shapes = {a.shape for a in arrs}
+            where = f"{directory}: tensors {names[0]} .. {names[-1]}"
+            if len(shapes) > 1:
+                raise ValueError(f"{where}: experts of different shapes {sorted(shapes)}")
+            return np.stack(arrs), where
+        return read(field, hf_tensor_name(field, layer, cfg.arch))
+
+    def read(field: str, name: str) -> tuple[np.ndarray, str]:
         if name not in tensors:
             raise ValueError(f"{directory}: missing tensor {name}")
         arr, where = tensors[name].get(name), f"{tensors[name].path}: tensor {name}"

@@ -23,13 +23,14 @@ from models.llama import LayerParams, Params, normalize_head, param_shapes
 # (field name, layer index or None) -> (array in HF orientation, "<file>: tensor <name>")
 TensorGetter = Callable[[str, int | None], tuple[np.ndarray, str]]
 
-# Linears: HF stores [out, in], Params stores [in, out].
-_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+# Linears: HF stores [out, in], Params stores [in, out] (experts: [X, out, in], [X, in, out]).
+_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "router"}
 
 
 def hf_shape(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The HF-orientation shape of one tensor of `field` whose Params shape is `shape`."""
-    return shape[::-1] if field in _TRANSPOSED else shape
+    """The HF-orientation shape of one tensor of `field` whose Params shape is `shape`
+    (a mixture of experts' weights: the experts' [out, in] stacked on a leading X)."""
+    return (*shape[:-2], shape[-1], shape[-2]) if field in _TRANSPOSED else shape
 
 
 class ShapeMismatchError(ValueError):
@@ -43,7 +44,7 @@ def _checked(get: TensorGetter, field: str, layer: int | None,
     if tuple(arr.shape) != want:
         raise ShapeMismatchError(
             f"{where} ({field}) has shape {tuple(arr.shape)}, but the config expects {want}")
-    return arr.T if field in _TRANSPOSED else arr
+    return np.swapaxes(arr, -1, -2) if field in _TRANSPOSED else arr
 
 
 def _stack_field(get: TensorGetter, field: str, shape: tuple[int, ...],

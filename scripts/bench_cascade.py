@@ -7,10 +7,16 @@ per group + per-sequence suffix + merge), after checking both against the refere
 Times are device times per call (kernel_timing.measure: the kernels' busy time in a
 profiler trace); the JSON also has the wall time of back-to-back calls.
 
-    PYTHONPATH=$PWD python3 scripts/bench_cascade.py --output-json out.json
+    python scripts/bench_cascade.py --output-json out.json
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import functools
@@ -28,7 +34,7 @@ from pallas_kernels.cascade_attention import (
 )
 from pallas_kernels.fp8 import FP8_NAMES, quantize_rows
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from scripts.kernel_timing import measure, rel_err  # (run with PYTHONPATH=$PWD)
+from scripts.kernel_timing import measure, rel_err
 
 B = 16  # block size
 

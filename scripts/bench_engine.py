@@ -5,12 +5,17 @@ tokens each (ignore_eos), dummy weights of a real architecture. Each configurati
 the workload twice and reports the second run (the first compiles every shape bucket);
 the prefix cache is reset in between, so the cached run still computes its prefix once.
 
-    PYTHONPATH=$PWD python scripts/bench_engine.py --model llama-2-7b --output-json out.json
+    python scripts/bench_engine.py --model llama-2-7b --output-json out.json
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gc
 import json
 import os
@@ -20,22 +25,11 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, StructuredOutputsParams, load  # noqa: E402
-from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
+from jprefix.benchmarks.common import fp8_kwargs, replicas, workload_parser  # noqa: E402
+from jprefix.benchmarks.datasets import make_prompts  # noqa: E402
 from models.loader import model_config  # noqa: E402
-
-
-def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(10, vocab, prefix).tolist()
-    return [shared + rng.integers(10, vocab, unique).tolist() for _ in range(n)]
-
-
-def replicas(llm: LLM) -> list:
-    """The engine's replicas (LLMEngines): one without data parallelism."""
-    return getattr(llm.engine, "replicas", [llm.engine])
 
 
 def sampling_features(output_len: int) -> SamplingParams:
@@ -138,22 +132,6 @@ def run_tpot(llm: LLM, prompt: list[int], prefix_len: int, output_len: int, reps
         if i:
             per_token.append((times[1] - times[0]) / (output_len - 1))
     return statistics.median(per_token) * 1e3
-
-
-def workload_parser(description: str, prompts: bool = True) -> argparse.ArgumentParser:
-    """The engine benchmarks' and probes' common flags: the model and its weights, the
-    shared-prefix workload (`prompts`: also how many requests), the JSON path and the fp8
-    modes (--kv-cache-dtype, --quantization)."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--model", default="llama-2-7b")
-    ap.add_argument("--load-format", default="dummy")
-    if prompts:
-        ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--prefix-len", type=int, default=596)
-    ap.add_argument("--unique-len", type=int, default=104)
-    ap.add_argument("--output-json", default=None)
-    add_fp8_flags(ap)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> dict:

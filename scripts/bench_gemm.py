@@ -15,16 +15,21 @@ choice for the rows (`worker.step._linear`: skinny_matmul's fp8 variant where it
 the rows, else the same XLA dot). `--fp8-native` sweeps the kernel with the activations
 as fp8 (the tensor cores' fp8 x fp8 dot; the row quantisation inside the timed call).
 
-    PYTHONPATH=$PWD python scripts/bench_gemm.py --output-json out/gemm.json
+    python scripts/bench_gemm.py --output-json out/gemm.json
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import dataclasses
 import functools
 import itertools
-import sys
 import time
 
 import jax

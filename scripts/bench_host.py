@@ -6,10 +6,16 @@ postprocessing, i.e. what async scheduling must hide behind the device step.
 min_p, a logit bias, logprobs): every step is the extra variant, its logits-processing
 arrays packed (`jprefix.worker.pack_sampling`) and its (zero) logprobs attached.
 
-    PYTHONPATH=$PWD python scripts/bench_host.py --num-prompts 256 [--sampling] [--profile]
+    python scripts/bench_host.py --num-prompts 256 [--sampling] [--profile]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import cProfile

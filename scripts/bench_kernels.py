@@ -12,14 +12,19 @@ are device times per call (`kernel_timing.measure`: the op's kernels' busy time 
 profiler trace, as inside a jitted engine step), for ours and the peers alike; the JSON
 also keeps the wall time of back-to-back calls.
 
-    PYTHONPATH=$PWD python3 scripts/bench_kernels.py --output-json out.json
+    python scripts/bench_kernels.py --output-json out.json
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import functools
-import sys
 import time
 import warnings
 

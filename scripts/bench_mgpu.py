@@ -14,10 +14,16 @@ activations quantised inside (`pallas_kernels.mgpu_fp8_matmul`).
    variant x tiling of the Mosaic kernel. Each timed call multiplies by `copies` distinct
    weights (>= 256 MB), so the L2 cache does not hold them between calls.
 
-    PYTHONPATH=$PWD python scripts/bench_mgpu.py --output-json out/mgpu.json
+    python scripts/bench_mgpu.py --output-json out/mgpu.json
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import time

@@ -8,10 +8,16 @@ plus the in-place check of the KV cache. `--sampling both` times each batch twic
 repetition / presence / frequency penalties, min_p, a logit bias, 5 logprobs): the
 step's extra variant, against the plain path.
 
-    PYTHONPATH=$PWD python scripts/bench_step.py --model llama-2-7b --sampling both
+    python scripts/bench_step.py --model llama-2-7b --sampling both
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import json
@@ -25,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
-from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
+from jprefix.benchmarks.common import add_fp8_flags, fp8_kwargs  # noqa: E402
 from scripts.memcheck import (  # noqa: E402
     compile_step,
     step_memory_report,

@@ -5,7 +5,7 @@ so no dispatch), time per jitted call, whether the donated cache is aliased rath
 copied (XLA's memory analysis and the cache-sized copies in the compiled HLO), and a
 check of one written row. A section of bench_kernels:
 
-    PYTHONPATH=$PWD python3 scripts/bench_kernels.py --sections write_kv --output-json out.json
+    python scripts/bench_kernels.py --sections write_kv --output-json out.json
 """
 
 from __future__ import annotations

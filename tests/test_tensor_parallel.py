@@ -1,17 +1,15 @@
 """Tensor parallelism: greedy tokens on 2 (virtual CPU) devices equal those on one.
 
-Runs in a subprocess because the CPU device count is fixed when jax starts.
+Runs in a subprocess because the CPU device count is fixed when jax starts: each script
+runs once per backend, and each of its assertions is a test of its own here, by name
+(tests/subprocess_checks.py).
 """
 
-import os
-import subprocess
-import sys
+import functools
 import textwrap
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from subprocess_checks import CheckRun, assert_check, check_names, device_env, run_checks
 
 # what every script below starts with: imports, two devices, the backend from argv, and
 # prompts of 24 shared + 3 / 7 / 12 own random tokens
@@ -96,22 +94,22 @@ ALIBI_SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
-def _run_two_devices(script: str, backend: str) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", script, backend], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+@functools.cache
+def two_device_run(script: str, backend: str) -> CheckRun:
+    """The script's one run on 2 devices with this attention backend (cached)."""
+    return run_checks(script, [backend], device_env(2), timeout=600)
 
 
+@pytest.mark.parametrize("check", check_names(SCRIPT))
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
-def test_two_device_tensor_parallel_matches_one_device(backend):
-    _run_two_devices(SCRIPT, backend)
+def test_two_device_tensor_parallel_matches_one_device(backend, check):
+    assert_check(two_device_run(SCRIPT, backend), check)
 
 
+@pytest.mark.parametrize("check", check_names(ALIBI_SCRIPT))
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
-def test_two_device_tensor_parallel_alibi_matches_one_device_and_dense(backend):
-    _run_two_devices(ALIBI_SCRIPT, backend)
+def test_two_device_tensor_parallel_alibi_matches_one_device_and_dense(backend, check):
+    assert_check(two_device_run(ALIBI_SCRIPT, backend), check)
 
 
 # fp8 KV cache over 2 devices: the scales are split by kv head with the caches, greedy
@@ -140,5 +138,35 @@ FP8_SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
-def test_two_device_tensor_parallel_fp8_kv_matches_one_device():
-    _run_two_devices(FP8_SCRIPT, "xla")
+@pytest.mark.parametrize("check", check_names(FP8_SCRIPT))
+def test_two_device_tensor_parallel_fp8_kv_matches_one_device(check):
+    assert_check(two_device_run(FP8_SCRIPT, "xla"), check)
+
+
+def test_a_failing_subprocess_check_is_reported_by_name():
+    # (the mechanism every subprocess test here relies on, on a script without jax)
+    import os
+    import re
+
+    script = textwrap.dedent("""
+        import sys
+        for i in range(3):
+            assert i < 2, ("loop", i)
+        assert sys.argv[1] == "x"
+        try:
+            int("1")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("int accepted '1'")
+        assert 1 + 1 == 2
+    """)
+    names = check_names(script)
+    assert names[:4] == ["i < 2", 'sys.argv[1] == "x"', "int accepted '1'", "1 + 1 == 2"]
+    run = run_checks(script, ["x"], dict(os.environ), timeout=60)
+    assert_check(run, 'sys.argv[1] == "x"')
+    assert_check(run, "1 + 1 == 2")
+    assert_check(run, names[-1])  # ran to its end: a failed check does not stop the script
+    for name, detail in (("i < 2", "('loop', 2)"), ("int accepted '1'", "int accepted")):
+        with pytest.raises(AssertionError, match=re.escape(name) + ": .*" + re.escape(detail)):
+            assert_check(run, name)

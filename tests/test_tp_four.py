@@ -3,18 +3,16 @@ equal to the dense reference), on both layer layouts (stacked under lax.scan; un
 Q/K/V and gate/up fused), with cascade and mixed steps; tiny-llama3's 2 kv heads are
 replicated at TP 4 (one per shard); TP sizes that cannot split the heads raise.
 
-Runs in a subprocess because the CPU device count is fixed when jax starts.
+Runs in a subprocess because the CPU device count is fixed when jax starts: once per
+backend, each of its assertions a test of its own here, by name
+(tests/subprocess_checks.py).
 """
 
-import os
-import subprocess
-import sys
+import functools
 import textwrap
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from subprocess_checks import CheckRun, assert_check, check_names, device_env, run_checks
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, sys
@@ -91,13 +89,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@functools.cache
+def four_device_run(backend: str) -> CheckRun:
+    return run_checks(SCRIPT, [backend], device_env(4), timeout=800)
+
+
+@pytest.mark.parametrize("check", check_names(SCRIPT))
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
-def test_four_device_tp_1_2_4_with_replicated_kv_heads_match_dense(backend):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", SCRIPT, backend], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=800)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+def test_four_device_tp_1_2_4_with_replicated_kv_heads_match_dense(backend, check):
+    assert_check(four_device_run(backend), check)
 
 
 @pytest.mark.parametrize("unroll", [False, True])

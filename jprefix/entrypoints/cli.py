@@ -3,6 +3,7 @@
   jprefix generate    answer several prompts that share a system prompt, in one batch,
                       and show how much of the prompts the prefix cache served
   jprefix serve       an OpenAI-compatible HTTP server (`vllm serve`'s command line)
+  jprefix bench       benchmarks: throughput, latency, serve (`vllm bench`'s)
 
 The default model is the embedded SmolLM2-135M-Instruct, a 4-bit Q4_1 GGUF dequantised at
 load: small and quantised, so its answers say little about the engine. `jprefix
@@ -20,6 +21,7 @@ import sys
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import jprefix  # noqa: E402  (its names load lazily: nothing heavy is imported)
+from jprefix.benchmarks.cli import add_bench_parser, run_bench  # noqa: E402
 from jprefix.entrypoints.cli_generate import add_generate_parser, run_generate  # noqa: E402
 from jprefix.entrypoints.cli_serve import add_serve_parser, run_serve  # noqa: E402
 
@@ -49,6 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(sub, add_fp8_flags)
     add_serve_parser(sub, VERSION)
+    add_bench_parser(sub)
     return parser
 
 
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args)
     return 2
 
 

@@ -31,12 +31,15 @@ class StepKind(NamedTuple):
     decode tiling), `cascade` (the batch carries a cascade plan's arrays), and
     `num_decode` (> 0 in a mixed step: its one-token rows come first and run with the
     decode tiling, `mixed_paged_attention`), `extra` (some row processes its logits or
-    wants logprobs: the batch carries `pack_sampling`'s arrays)."""
+    wants logprobs: the batch carries `pack_sampling`'s arrays), `greedy` (every row's
+    temperature is 0: the step skips the sampling machinery). The packer is the one
+    place a step's kind is decided."""
 
     decode: bool
     cascade: bool
     num_decode: int
     extra: bool = False
+    greedy: bool = False
 
 
 class PackedRows(NamedTuple):
@@ -86,8 +89,10 @@ class StepPacker:
         else:
             self.pending_rows = {sc.seq: i for i, sc in enumerate(rows) if sc.sample}
         decode = is_decode_step(num_new)
+        greedy = not packed.arrays["temperature"].any()
         return PackedRows(rows, packed, order,
-                          StepKind(decode, plan is not None, num_decode, extra), positions)
+                          StepKind(decode, plan is not None, num_decode, extra, greedy),
+                          positions)
 
     def _repack(self, rows: list[ScheduledSeq], plan: CascadePlan | None) -> PackedStep | None:
         """A steady decode step's buffers advanced from the last step's, or None."""

@@ -173,7 +173,7 @@ class ModelRunner:
         if self._later is not None:
             raise RuntimeError("the step dispatched with masks_later was never sampled")
         rows, (flat, layout, batch), order, kind, positions = self.packer.pack(scheduled, plan)
-        greedy = not batch["temperature"].any()
+        greedy = kind.greedy
         later = self._later = MasksLater(rows, len(batch["logits_idx"]), layout, greedy,
                                           kind.extra) if masks_later else None
         bitmask = step_bitmask(rows, token_masks, len(batch["logits_idx"]))

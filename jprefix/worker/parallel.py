@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.layout import param_shardings
 from models.llama import Params
+from models.moe import experts
 
 AXIS = "tp"
 HEADS = PartitionSpec(None, AXIS)  # [T, H, D] activations and [L, K, N, B, D] caches
@@ -79,6 +80,10 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} neither divides nor is a multiple of the "
                          f"model's {k} kv heads, so the kv heads can be neither split nor "
                          f"replicated evenly")
+    if cfg.moe and cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the experts' "
+                         f"intermediate_size {cfg.intermediate_size} (each device holds "
+                         f"F / tp of every expert)")
 
 
 def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -168,3 +173,33 @@ def per_shard_qkv(fn, mesh: Mesh | None):
         out_specs=(HEADS, HEADS),
         check_vma=False,
     )
+
+
+def shard_experts(mesh: Mesh | None, fn=experts):
+    """A mixture of experts' `experts_fn` (`fn`, default `models.moe.experts(x, weights,
+    ids, w_gate, w_up, w_down)`) run per device on its slice of every expert's F
+    (`param_partition_specs`: gate/up [X, E, F] by columns, fused per shard as
+    [gate_s | up_s], down [X, F, E] by rows), the tokens and their routing whole on
+    each device. Each device returns its partial sum [T, E]; they are stacked on a
+    leading device axis outside the shard_map and summed there, so the all-reduce is
+    XLA's (no collective inside). None without a mesh (the model's default runs)."""
+    if mesh is None:
+        return None
+    cols, rows = PartitionSpec(None, None, AXIS), PartitionSpec(None, AXIS, None)
+
+    def local(x, weights, ids, w_gate, w_up, w_down):
+        return fn(x, weights, ids, w_gate, w_up, w_down)[None]
+
+    def experts_fn(x, weights, ids, w_gate, w_up, w_down):
+        if w_up is None:  # fused [gate_s | up_s] per shard
+            run = jax.shard_map(lambda x, wt, i, g, d: local(x, wt, i, g, None, d), mesh=mesh,
+                                in_specs=(REPLICATED,) * 3 + (cols, rows),
+                                out_specs=PartitionSpec(AXIS), check_vma=False)
+            parts = run(x, weights, ids, w_gate, w_down)
+        else:
+            run = jax.shard_map(local, mesh=mesh, in_specs=(REPLICATED,) * 3 + (cols, cols, rows),
+                                out_specs=PartitionSpec(AXIS), check_vma=False)
+            parts = run(x, weights, ids, w_gate, w_up, w_down)
+        return jnp.sum(parts, axis=0)
+
+    return experts_fn

@@ -31,7 +31,13 @@ from jprefix.worker import xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
 from jprefix.worker.logits_processing import process_logits, token_logprobs
-from jprefix.worker.parallel import REPLICATED, per_shard, per_shard_qkv, shard_columns
+from jprefix.worker.parallel import (
+    REPLICATED,
+    per_shard,
+    per_shard_qkv,
+    shard_columns,
+    shard_experts,
+)
 from jprefix.worker.sampler import sample
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
@@ -264,7 +270,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     hidden, kv_cache = forward(params, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                _linear(backend, mesh),
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
-                               _col_linear(backend, mesh))
+                               _col_linear(backend, mesh), shard_experts(mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
     return batch, token_ids, logits, prompt_logits, kv_cache

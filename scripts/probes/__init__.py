@@ -1,2 +1,2 @@
 """One-off investigations (README.md: the question each answered); run as
-`PYTHONPATH=$PWD python scripts/probes/<name>.py`."""
+`python scripts/probes/<name>.py`."""

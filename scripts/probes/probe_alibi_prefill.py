@@ -9,10 +9,16 @@ by `bench_kernels.alibi_cost` (alternating rounds, best of each, biased output c
 against the reference) at a few prefill tilings; the figure is the biased op at its best
 tiling against the unbiased op at its best.
 
-    PYTHONPATH=$PWD python3 scripts/probes/probe_alibi_prefill.py --output-json out.json
+    python scripts/probes/probe_alibi_prefill.py --output-json out.json
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json

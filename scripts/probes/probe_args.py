@@ -2,10 +2,16 @@
 takes one per weight array) and whether its flat inputs come from numpy (copied to the
 device inside the call) or are on the device already.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_args.py
+    python scripts/probes/probe_args.py
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 
@@ -13,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jprefix.benchmarks.common import write_json
 from jprefix.worker import xla_flags
-from scripts.bench_throughput import write_json
 from scripts.probes.probe_launch import issue_and_whole
 
 

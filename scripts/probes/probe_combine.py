@@ -7,10 +7,17 @@ step's shape). Tried here: the shipped reduction over the split axis, the splits
 unrolled into elementwise ops, and one einsum over precomputed weights. Each prints its
 largest difference from the shipped one (bfloat16 outputs).
 
-    PYTHONPATH=$PWD python3 scripts/probes/probe_combine.py
+    python scripts/probes/probe_combine.py
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import functools
 import time
@@ -50,7 +57,8 @@ def kernels(fn, *args) -> int:
     return sum(" fusion(" in line or "custom-call(" in line for line in entry.splitlines())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # (--help)
     rng = np.random.default_rng(0)
     for s, rows in SHAPES:
         o = jnp.asarray(rng.standard_normal((s, rows, 128)), jnp.float32)

@@ -2,10 +2,16 @@
 input buffer addresses change? Times the jitted step called with (a) fresh host inputs
 each call, as the engine does, and (b) the same device input arrays every call.
 
-    XLA_FLAGS=... PYTHONPATH=$PWD python scripts/probes/probe_dispatch.py --model llama-2-7b
+    XLA_FLAGS=... python scripts/probes/probe_dispatch.py --model llama-2-7b
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import functools

@@ -13,10 +13,16 @@ Two host measurements, no accelerator needed (run it on the CPU):
    launches would serialise with every replica's Python work.
 Also the router's cost per request (hashing and matching a 700-token prompt).
 
-    JAX_PLATFORMS=cpu PYTHONPATH=$PWD python scripts/probes/probe_dp_host.py
+    JAX_PLATFORMS=cpu python scripts/probes/probe_dp_host.py
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json

@@ -8,10 +8,16 @@ the differences are host-side latency:
   spin_ready   poll out.is_ready() until true, then np.asarray(out)
   block        out.block_until_ready(), then np.asarray(out)
 
-    PYTHONPATH=$PWD python scripts/probes/probe_fetch.py
+    python scripts/probes/probe_fetch.py
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import functools
@@ -22,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jprefix.benchmarks.common import write_json
 from jprefix.worker import xla_flags
-from scripts.bench_throughput import write_json
 
 
 @functools.partial(jax.jit, static_argnames="layers")

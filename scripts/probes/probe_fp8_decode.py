@@ -12,10 +12,16 @@ and Llama-3-8B (32/8) heads at batch 64 / 256 and context 2,048 (the kernel tabl
 and 256 x 232 (the seed workload's cascade suffix) at 32/32. Device time per call
 (`measure`), each config checked against the reference first.
 
-    PYTHONPATH=$PWD python3 scripts/probes/probe_fp8_decode.py --output-json out.json
+    python scripts/probes/probe_fp8_decode.py --output-json out.json
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import json

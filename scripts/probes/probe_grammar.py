@@ -4,10 +4,17 @@ For a few JSON schemas and a regex, builds each library's matcher, walks a valid
 token by token and times the per-token mask fill (the host work of a structured row in
 every step) and the grammar's compile. Libraries missing from the environment are skipped.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_grammar.py
+    python scripts/probes/probe_grammar.py
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import json
 import statistics
@@ -93,7 +100,8 @@ def xgrammar_rows(tok):
         compiler.compile_regex
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # (--help)
     tok = load("smollm2-135m", "float32").tokenizer
     for lib, rows in (("llguidance", llguidance_rows), ("outlines-core", outlines_rows),
                       ("xgrammar", xgrammar_rows)):

@@ -4,18 +4,24 @@ thread or the jitted call). Runs the shared-prefix workload, then cProfiles the 
 thread over `--steps` decode steps and prints the functions by own time, with the
 engine's own host-share figure for the same steps.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_host.py --model llama-2-7b
+    python scripts/probes/probe_host.py --model llama-2-7b
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cProfile
 import io
 import pstats
 
 from jprefix import LLM, SamplingParams, load
-from scripts.bench_engine import make_prompts, workload_parser
-from scripts.bench_throughput import write_json
+from jprefix.benchmarks.common import workload_parser, write_json
+from jprefix.benchmarks.datasets import make_prompts
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -3,7 +3,7 @@ of N tiny kernels that cannot fuse) and, when torch is installed, for PyTorch ea
 a replayed CUDA graph of the same chain. An engine step launches hundreds of kernels, so
 this per-launch cost bounds a step from below whatever the device does.
 
-    PYTHONPATH=$PWD python scripts/probes/probe_launch.py [--kernels 500]
+    python scripts/probes/probe_launch.py [--kernels 500]
 
 XLA runs as jprefix sets it up (command buffers off); JPREFIX_XLA_COMMAND_BUFFERS=1 keeps
 XLA's default, and XLA_FLAGS passes other settings (e.g. --xla_gpu_cublas_fallback=false).
@@ -11,14 +11,20 @@ XLA's default, and XLA_FLAGS passes other settings (e.g. --xla_gpu_cublas_fallba
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 import os
 import statistics
 import time
 
+from jprefix.benchmarks.common import write_json
 from jprefix.worker import xla_flags
-from scripts.bench_throughput import write_json
 
 
 def issue_and_whole(call, wait, reps: int) -> tuple[float, float]:

@@ -12,20 +12,26 @@ Variants in one process: as shipped; with Python's thread switch interval at 50 
 (`sys.setswitchinterval`, default 5 ms: the launch thread waits for the GIL while the
 engine thread runs Python).
 
-    PYTHONPATH=$PWD python scripts/probes/probe_ttft.py --model llama-2-7b --output-json out.json
+    python scripts/probes/probe_ttft.py --model llama-2-7b --output-json out.json
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import functools
 import statistics
-import sys
 import time
 
 import jprefix.worker.model_runner as runner_mod
 from jprefix import LLM, SamplingParams, load
-from scripts.bench_engine import make_prompts, timed_request, workload_parser
-from scripts.bench_throughput import write_json
+from jprefix.benchmarks.common import workload_parser, write_json
+from jprefix.benchmarks.datasets import make_prompts
+from scripts.bench_engine import timed_request
 
 SPANS = ("dispatch", "pack", "handoff", "enqueue", "wait", "finish")
 

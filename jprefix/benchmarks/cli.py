@@ -1,0 +1,41 @@
+"""`jprefix bench`'s subcommands, registered on the `jprefix` command line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+COMMANDS = {
+    "throughput": "offline throughput: every request queued at once (the engine in-process)",
+    "latency": "offline latency at a request rate (the engine in-process, no HTTP)",
+    "serve": "online: drive a running OpenAI-compatible server at a rate / concurrency",
+}
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Adds `bench` with its three subcommands to the `jprefix` subparsers `sub`."""
+    from jprefix.benchmarks.latency import add_latency_args
+    from jprefix.benchmarks.serve import add_serve_args
+    from jprefix.benchmarks.throughput import add_throughput_args
+
+    bench = sub.add_parser("bench", help="benchmarks, as `vllm bench`")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    adders = {"throughput": add_throughput_args, "latency": add_latency_args,
+              "serve": add_serve_args}
+    for name, add in adders.items():
+        # (resolve: a benchmark may redefine an engine flag, e.g. throughput's --policy)
+        add(kinds.add_parser(name, help=COMMANDS[name], description=COMMANDS[name],
+                             conflict_handler="resolve"))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Runs the parsed `jprefix bench` subcommand; a ValueError (a bad flag value) exits
+    with its message."""
+    from jprefix.benchmarks import latency, serve, throughput
+
+    run = {"throughput": throughput.main, "latency": latency.main, "serve": serve.main}
+    try:
+        run[args.bench_command](args)
+    except ValueError as e:
+        raise SystemExit(f"jprefix bench {args.bench_command}: {e}") from None
+    return 0
