@@ -180,6 +180,15 @@ def test_several_prompts_get_their_choices_in_order(server, client):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == single
+    long = ["The quick brown fox jumps over the lazy dog. " * 4 + end for end in "AB"]
+    client.completions.create(prompt=long, **kw)  # (fills the prefix cache)
+    plain = client.completions.create(prompt=long, **kw).usage
+    usage = [c.usage for c in client.completions.create(
+        prompt=long, stream=True, stream_options={"include_usage": True}, **kw) if c.usage][0]
+    assert usage.prompt_tokens_details.cached_tokens == \
+        plain.prompt_tokens_details.cached_tokens > 0  # (each prompt's once, not per chunk)
+    assert (usage.prompt_tokens, usage.completion_tokens) == \
+        (plain.prompt_tokens, plain.completion_tokens)
 
 
 def test_auth_models_version_ping_and_token_ids_on_request(server):

@@ -209,11 +209,12 @@ async def _stream_events(llm: LLM, cfg: ServingConfig, rid: str, groups: list[Sa
 
     for i in range(len(choices)):
         yield chunk(i, echo[i // n] if echo else "", first=True)
-    completion, cached = 0, 0
+    completion, cached = 0, [0] * len(groups)  # (each prompt's, as its first sample says)
     async for out in interleaved(llm, groups, cfg.shutdown.aborted()):
         i = index[out.request_id]
         completion += len(out.token_ids)
-        cached += out.num_cached_tokens if i % n == 0 else 0
+        if i % n == 0:
+            cached[i // n] = out.num_cached_tokens
         logprobs = choices[i].logprobs(out)
         choices[i].finished = out.finished
         if out.text or logprobs is not None or out.finished:
@@ -227,5 +228,5 @@ async def _stream_events(llm: LLM, cfg: ServingConfig, rid: str, groups: list[Sa
         yield _sse(head | {"choices": [], "usage": {
             "prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}})
+            "prompt_tokens_details": {"cached_tokens": sum(cached)}}})
     yield _sse("[DONE]")
