@@ -43,7 +43,8 @@ def test_llm_by_name_takes_a_tokenizer_and_text_runs_as_its_ids(tokenizer_dir):
     assert by_text.prompt_token_ids == ids
     assert by_text.token_ids == by_ids.token_ids
     with TestClient(build_app(llm)) as client:
-        body = {"prompt": TEXT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": TEXT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
         reply = client.post("/v1/completions", json=body).json()
     assert reply["choices"][0]["token_ids"] == by_ids.token_ids
     assert reply["choices"][0]["text"] == llm.tokenizer.decode(by_ids.token_ids)
@@ -56,7 +57,8 @@ def test_without_a_tokenizer_text_is_refused_and_token_ids_run():
     with TestClient(build_app(llm)) as client:
         bad = client.post("/v1/completions", json={"prompt": TEXT, "max_tokens": 2})
         good = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2,
-                                                    "ignore_eos": True})
+                                                    "ignore_eos": True,
+                                                    "return_token_ids": True})
     assert bad.status_code == 400 and "no tokenizer" in bad.json()["error"]["message"]
     assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 2
 

@@ -60,11 +60,19 @@ def test_smollm2_string_prompts_and_stop_strings(smol):
 def test_cli_generate_prints_outputs_and_cache_table(capsys):
     assert cli_main(["generate", "--prompt", "Hi!", "--prompt", "Name a colour.",
                      "--max-tokens", "4"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "### Hi!" in printed and "### Name a colour." in printed
     assert "served from prefix cache" in printed and "hit rate" in printed
     served = int(next(ln for ln in printed.splitlines() if "served from" in ln).split()[-1])
     assert served > 0  # the second prompt reused the system prompt's blocks
+    rows = {ln.rsplit(None, 1)[0]: ln.rsplit(None, 1)[1] for ln in printed.splitlines()
+            if ln.startswith(("load", "compile", "generate"))}
+    assert set(rows) == {"load (s)", "generate (s, excl. compile)"} | {
+        k for k in rows if k.startswith("compile (s, ") and k.endswith(" programs)")}
+    assert len(rows) == 3 and all(float(v) >= 0 for v in rows.values())
+    assert "loading smollm2-135m" in captured.err and "loaded in" in captured.err
+    assert "max model len" in captured.err and "PyTorch" not in captured.err
 
 
 def test_smollm2_stop_strings_wait_for_min_tokens(smol):

@@ -45,8 +45,10 @@ def test_serve_passes_the_flags_to_the_llm_and_the_app(monkeypatch):
     assert engine["enable_prefix_caching"] is False and engine["async_scheduling"] is False
     assert engine["max_num_batched_tokens"] == 1024 and engine["dtype"] == "float32"
     assert EngineArgs(**engine).max_model_len == 512  # (what LLM builds from them)
-    assert seen["serve"] == ("0.0.0.0", 9001, {"model_name": "tiny", "api_key": "k",
-                                               "max_request_bytes": 4 * 1024 * 1024})
+    host, port, app = seen["serve"]
+    assert (host, port) == ("0.0.0.0", 9001)
+    assert {k: app[k] for k in ("model_name", "api_key", "max_request_bytes")} == {
+        "model_name": "tiny", "api_key": "k", "max_request_bytes": 4 * 1024 * 1024}
 
 
 def test_a_bad_flag_value_is_refused():

@@ -1,6 +1,6 @@
 """The server fails safe, on a real uvicorn server (127.0.0.1, a free port): bad text is a
-400 on a kept connection, an oversized body a 413, /health answers in milliseconds while a
-huge prompt is tokenised, a client leaving a non-streaming request aborts it, streamed
+400 on a kept connection, an oversized body a 413, /health keeps answering while a huge
+prompt is tokenised, a client leaving a non-streaming request aborts it, streamed
 text equals the plain text for every stop string, unknown models get 404, and typed
 special tokens stay text."""
 
@@ -98,32 +98,39 @@ def test_oversized_bodies_get_413_and_small_ones_pass(tiny):
     assert chunked.status_code == 413
 
 
-def test_health_answers_in_milliseconds_while_a_huge_prompt_is_tokenised(smol):
+def test_health_answers_while_huge_prompts_are_tokenised(smol):
+    """The property, not a latency: /health keeps answering while both huge bodies are
+    being processed (answers counted only while neither huge request has its reply, so
+    a loop blocked by the tokenisation would answer none or one)."""
     huge = {"prompt": "hello world, this is text. " * 120_000, "max_tokens": 2}  # 3.2 MB
+    sending, in_flight = threading.Barrier(3), [2]
+    answered_meanwhile = []
 
-    def health_latencies(stop: threading.Event) -> list[float]:
-        out = []
+    def probe(stop: threading.Event) -> None:
+        sending.wait()
         with httpx.Client() as c:
             while not stop.is_set():
-                t = time.perf_counter()
-                assert c.get(f"{smol.url}/health").status_code == 200
-                out.append(time.perf_counter() - t)
+                both_pending = in_flight[0] == 2
+                assert c.get(f"{smol.url}/health", timeout=60).status_code == 200
+                if both_pending and in_flight[0] == 2:  # (pending before and after)
+                    answered_meanwhile.append(1)
                 time.sleep(0.01)
-        return out
+
+    def send(_):
+        sending.wait()
+        try:
+            return httpx.post(f"{smol.url}/v1/completions", json=huge, timeout=120).status_code
+        finally:
+            in_flight[0] -= 1
 
     stop = threading.Event()
     with ThreadPoolExecutor(3) as pool:
-        probe = pool.submit(health_latencies, stop)
-        time.sleep(0.1)
-        t = time.perf_counter()
-        rejected = pool.map(lambda _: httpx.post(f"{smol.url}/v1/completions", json=huge,
-                                                 timeout=60), range(2))
-        statuses = [r.status_code for r in rejected]
-        busy = time.perf_counter() - t
+        prober = pool.submit(probe, stop)
+        statuses = list(pool.map(send, range(2)))
         stop.set()
-        latencies = probe.result()
-    assert statuses == [400, 400] and busy > 0.5  # (the tokenisation really took a while)
-    assert len(latencies) > 10 and max(latencies) < 0.25, max(latencies)
+        prober.result()
+    assert statuses == [400, 400]  # (too long for the context: tokenised, then refused)
+    assert len(answered_meanwhile) >= 5, len(answered_meanwhile)
 
 
 def test_a_client_leaving_a_plain_request_aborts_it(tiny):

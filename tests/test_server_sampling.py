@@ -48,8 +48,8 @@ def _ref(model, tokens):
 
 def _complete(server, **kwargs):
     body = dict(model="tiny-llama", prompt=PROMPT, max_tokens=5, temperature=0)
-    return server.client.completions.create(**(body | kwargs),
-                                            extra_body={"ignore_eos": True})
+    return server.client.completions.create(**(body | kwargs), extra_body={
+        "ignore_eos": True, "return_token_ids": True})
 
 
 def test_completion_logprobs_equal_the_dense_log_softmax(tiny, sharp_tiny):
@@ -99,7 +99,7 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(tiny):
     extra = {"repetition_penalty": 1.4, "min_p": 0.05, "ignore_eos": True}
     out = tiny.client.completions.create(
         model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0, logit_bias={"9": 2.5},
-        extra_body=extra, **fields)
+        extra_body=extra | {"return_token_ids": True}, **fields)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={9: 2.5},
                         repetition_penalty=1.4, min_p=0.05, **fields)
     want = tiny.llm.generate([PROMPT], sp, use_tqdm=False)[0].token_ids

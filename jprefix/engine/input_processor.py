@@ -91,38 +91,80 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-# stands in for message i's content while the template renders (private-use characters:
+# the roles OpenAI's chat API defines: any other role string would reach the template
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# stands in for field j of message i while the template renders (private-use characters:
 # no template or tokenizer gives them a meaning); the spaces around it show whether the
-# template trims the content
-_MARK = re.compile("( ?)\ue000jprefix-(\\d+)\ue001( ?)")
+# template trims the field
+_MARK = re.compile("( ?)\ue000jprefix-(\\d+)-(\\d+)\ue001( ?)")
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]],
+def message_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts
+    (`[{"type": "text", "text": ...}]`, joined with newlines as vLLM joins them); any
+    other part (an image, audio, a file) is refused, naming it."""
+    if isinstance(content, str):
+        return check_text(content, where)
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ValueError(f"{where}[{j}].type is {kind!r:.40}: this server takes text "
+                             'parts only ({"type": "text", "text": ...})')
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise ValueError(f'{where}[{j}] must be {{"type": "text", "text": <a string>}}')
+        texts.append(check_text(part["text"], f"{where}[{j}].text"))
+    return "\n".join(texts)
+
+
+def check_message(i: int, m: Any) -> dict[str, Any]:
+    """Message i with its content as text; ValueError naming a bad role or field."""
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}] must be an object with a role and a content")
+    role = m.get("role")
+    if role not in ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                         f"{role!r:.40}")
+    out = dict(m, content=message_text(m.get("content"), f"messages[{i}].content"))
+    for key, value in out.items():
+        if isinstance(value, str):
+            check_text(value, f"messages[{i}].{key}")
+    return out
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of `messages` ({"role", "content"} dicts) under the tokenizer's chat
+    """The token ids of `messages` ({"role", "content"} dicts, content a string or a list
+    of text parts; string fields such as `name` allowed) under the tokenizer's chat
     template, ending with the assistant's turn opened if `add_generation_prompt`.
 
-    The template's own markup is tokenised with its special tokens; each message's
-    content as plain text (`split_special_tokens`), so a `<|im_start|>` typed by a user
-    stays text and cannot open a forged turn."""
+    Only the template's own markup is tokenised with its special tokens: every string a
+    client typed (content, name, any other field) is tokenised as plain text
+    (`split_special_tokens`), and the role must be one of ROLES, so a `<|im_start|>`
+    typed anywhere stays text and cannot open a forged turn."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: send a plain prompt instead")
     if not messages:
         raise ValueError("messages is empty")
+    messages = [check_message(i, m) for i, m in enumerate(messages)]
+    fields: list[list[str]] = []  # per message, the names of its marked fields
+    marked = []
     for i, m in enumerate(messages):
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
-        check_text(m["content"], f"messages[{i}].content")
-    marked = [dict(m, content=f" \ue000jprefix-{i}\ue001 ") for i, m in enumerate(messages)]
+        names = [k for k, v in m.items() if k != "role" and isinstance(v, str)]
+        fields.append(names)
+        marked.append(m | {k: f" \ue000jprefix-{i}-{j}\ue001 " for j, k in enumerate(names)})
     text = tokenizer.apply_chat_template(marked, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
     ids, pos = [], 0
     for mark in _MARK.finditer(text):
         ids += _tokens(tokenizer, text[pos:mark.start()], plain=False)
-        content = messages[int(mark.group(2))]["content"]
-        content = content if mark.group(1) else content.lstrip()
-        content = content if mark.group(3) else content.rstrip()
-        ids += _tokens(tokenizer, content, plain=True)
+        i, j = int(mark.group(2)), int(mark.group(3))
+        value = messages[i][fields[i][j]]
+        value = value if mark.group(1) else value.lstrip()
+        value = value if mark.group(4) else value.rstrip()
+        ids += _tokens(tokenizer, value, plain=True)
         pos = mark.end()
     return ids + _tokens(tokenizer, text[pos:], plain=False)
 
@@ -176,6 +218,10 @@ class InputProcessor:
         for token in sp.logit_bias or ():
             if token >= self.vocab_size:
                 raise ValueError(f"logit_bias token id {token} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        for token in sp.stop_token_ids or ():
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"stop_token_ids token id {token} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
         prefix_len = check_prefix_len(prefix_len, len(ids))
         if request_id is None:

@@ -239,7 +239,7 @@ class LLMEngine(EngineFront):
             self.outputs.attach_logprobs(done.out.scheduled,
                                          self.runner.fetch_logprobs(done.handle), positions)
         for seq in self.structured.accept(done.out.scheduled, tokens):  # grammar complete
-            self.scheduler.finish(seq, "stop")
+            self.scheduler.finish(seq, self.structured.finish_reason(seq))
             finished.append(seq)
         finished += self.outputs.check_stop_strings(self.scheduler.finish)
         self.stats.record_tokens(done.out)

@@ -55,6 +55,14 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         "whitespace_flexible": False})  # compact JSON: no runs of whitespace to sample
 
 
+def short_error(message: str, limit: int = 200) -> str:
+    """llguidance's error's first line, at most `limit` characters: its later lines dump
+    the matcher's state (the grammar, the tokens), which may hold a user's schema and
+    grow with it."""
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
 class StructuredOutputManager:
     """The grammar matchers of one engine's requests (created on any thread, used on the
     engine's)."""
@@ -106,11 +114,29 @@ class StructuredOutputManager:
         except ValueError as exc:
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind} is invalid: "
-                             f"{matcher.get_error()}")
+        error = short_error(matcher.get_error(), 500) if matcher.is_error() \
+            else self._probe(matcher)
+        if error:
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {error}")
         with self._lock:
             self._matchers[seq] = matcher
+
+    def _probe(self, matcher: Any) -> str | None:
+        """Why the grammar cannot be followed, found by a dry run of its first token on a
+        copy of the matcher, or None. llguidance builds its lexer and parser rows
+        lazily, so limits (more than 2,000 alternatives in a parser row, a regex whose
+        lexer grows past its budget) show only when a token is consumed: caught here,
+        they are a 400 before generation instead of a matcher stopped mid-output."""
+        import llguidance.numpy as lln
+
+        probe = matcher.deep_copy()
+        mask = np.zeros((1, self.words), np.int32)
+        lln.fill_next_token_bitmask(probe, mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        tokens = [int(t) for t in allowed[:2] if t < self.vocab_size and t not in self._eos]
+        if not probe.is_error() and tokens:
+            probe.consume_token(tokens[0])
+        return short_error(probe.get_error()) if probe.is_error() else None
 
     def admit(self, seq: Sequence) -> None:
         """`seq` enters the scheduler (engine thread)."""
@@ -158,12 +184,23 @@ class StructuredOutputManager:
             if not sc.sample or seq not in self._active:
                 continue
             matcher = self._matchers[seq]
+            if matcher.is_stopped():
+                continue  # (the token after a complete grammar: EOS, or one in flight)
             if not matcher.consume_token(token):
-                logger.warning("request %s: token %d was not allowed by its grammar (%s)",
-                               seq.request_id, token, matcher.get_error())
+                # once per request (the matcher is stopped from now on); the first line
+                # of llguidance's error, never the grammar or its state
+                logger.info("request %s: its grammar cannot be followed (%s); it ends "
+                            "with finish reason 'error'", seq.request_id,
+                            short_error(matcher.get_error()))
             if matcher.is_stopped() and not seq.is_finished():
                 done.append(seq)
         return done
+
+    def finish_reason(self, seq: Sequence) -> str:
+        """The finish reason of a request `accept` returned: "stop" when its grammar is
+        complete, "error" when the matcher failed (the output does not complete it)."""
+        matcher = self._matchers.get(seq)
+        return "error" if matcher is not None and matcher.is_error() else "stop"
 
     def forget(self, seqs: list[Sequence]) -> None:
         """Drops the matchers of finished (or aborted) sequences."""

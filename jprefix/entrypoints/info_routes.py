@@ -1,6 +1,6 @@
-"""The server's routes besides generation: /v1/models/{id}, /stats, /metrics, /tokenize
-and /detokenize (vLLM's request and response shapes). Tokenising runs off the event loop,
-as for generation requests."""
+"""The server's routes besides generation: /v1/models/{id}, /stats, /metrics, /tokenize,
+/detokenize, /version and /ping (vLLM's request and response shapes). Tokenising runs
+off the event loop, as for generation requests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Response
-from pydantic import BaseModel, ConfigDict
 
+import jprefix
 from jprefix.engine.input_processor import check_text, check_token_ids, render_chat
 from jprefix.entrypoints.llm import LLM
 from jprefix.entrypoints.metrics import (
@@ -18,15 +18,14 @@ from jprefix.entrypoints.metrics import (
     metrics_registry,
     render_metrics,
 )
-from jprefix.entrypoints.protocol import ChatMessage, RequestError
+from jprefix.entrypoints.protocol import Body, ChatMessage, RequestError
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered by the chat template
     (special tokens come from the template, so `add_special_tokens` defaults to False
     for chat and True for a prompt)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -35,8 +34,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]
 
@@ -48,7 +46,7 @@ def _tokenize(llm: LLM, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("send exactly one of prompt and messages", "prompt")
     if req.messages is not None:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         ids = render_chat(tokenizer, messages, req.add_generation_prompt)
         if req.add_special_tokens and tokenizer.bos_token_id is not None \
                 and ids[:1] != [tokenizer.bos_token_id]:
@@ -59,15 +57,29 @@ def _tokenize(llm: LLM, req: TokenizeRequest) -> list[int]:
     return tokenizer(req.prompt, add_special_tokens=special).input_ids
 
 
-def add_info_routes(app: FastAPI, llm: LLM, name: str, check_model: Any) -> None:
-    """Adds the routes; `check_model(requested, served)` raises 404 for another model."""
+def model_card(name: str, created: int, llm: LLM) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "jprefix",
+            "max_model_len": llm.engine.max_model_len}
+
+
+def add_info_routes(app: FastAPI, llm: LLM, name: str, check_model: Any, created: int
+                    ) -> None:
+    """Adds the routes; `check_model(requested, served)` raises 404 for another model;
+    `created`: the model's timestamp in /v1/models."""
     registry = metrics_registry(llm, name)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         check_model(model_id, name)
-        return {"id": name, "object": "model", "owned_by": "jprefix",
-                "max_model_len": llm.engine.max_model_len}
+        return model_card(name, created, llm)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": jprefix.__version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # (SageMaker's health check, as vLLM answers it)
+        return Response(status_code=200)
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:

@@ -186,6 +186,14 @@ class LLM:
         return self._driver.stream(self.engine.make_request(prompt, sp, prefix_pos, request_id,
                                                             cache_salt))
 
+    def wait_idle(self) -> None:
+        """Returns once the background stepping thread (if one runs) has exited: after
+        the last async request finished, a step may still be in flight; exit the
+        process only after it (a thread torn down inside XLA aborts the process)."""
+        thread = self._driver.thread
+        if thread is not None:
+            thread.join()
+
     def warmup(self, prefixes: list[Any], pin: bool = False) -> list[Any]:
         """Computes each prefix once so later requests hit the cache; returns the Prefix
         objects (their `.hash` is what `prefix_pool.delete_prefix` takes)."""

@@ -2,18 +2,18 @@
 
 Every field a request may carry is declared: an unknown field, or a known OpenAI field
 this server does not implement set to anything but its neutral value, is a 400 naming it
-(never silently ignored). Errors use OpenAI's shape:
-`{"error": {"message", "type", "param", "code"}}`.
+(never silently ignored). Errors use OpenAI's shape (`errors`).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from jprefix.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jprefix.engine.input_processor import ROLES, check_message
+from jprefix.entrypoints.errors import RequestError, lone_surrogate
 
 # OpenAI / vLLM fields not implemented here, with the values that mean "off" (accepted)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -27,51 +27,20 @@ COMPLETION_UNSUPPORTED = UNSUPPORTED | {"top_logprobs": (None, 0)}
 CHAT_UNSUPPORTED = UNSUPPORTED | {"echo": (None, False), "prompt_logprobs": (None,)}
 
 
-class RequestError(ValueError):
-    """A bad request: HTTP `status` with OpenAI's error JSON naming `param`."""
+class Body(BaseModel):
+    """A request body: unknown fields refused, and no string anywhere in it (a key, a
+    value, nested) may hold a lone surrogate (a 400 naming its field, before any field
+    is read)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None
-                   ) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse(status_code=status, headers=headers, content={
-        "error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
-def field_name(loc: tuple[Any, ...]) -> str:
-    """("body", "messages", 0, "content") -> "messages[0].content"."""
-    name = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
-    return name
-
-
-def validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
-    """A person's sentence for one of pydantic's errors, and the field it names."""
-    param = field_name(tuple(err.get("loc", ()))) or None
-    kind, msg = err.get("type", ""), str(err.get("msg", ""))
-    cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, RequestError):
-        return str(cause), cause.param
-    if kind == "json_invalid":
-        return f"the request body is not valid JSON ({err.get('ctx', {}).get('error')})", None
-    if param is None or kind == "model_attributes_type":
-        return "the request body must be a JSON object", None
-    if kind == "missing":
-        return f"{param} is required", param
-    if kind == "extra_forbidden":
-        return f"{param} is not a field of this request", param
-    msg = msg.removeprefix("Value error, ")
-    if kind != "value_error":
-        msg = f"{msg[:1].lower()}{msg[1:]}, got {err.get('input')!r:.80}"
-    return f"{param}: {msg}", param
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data) if isinstance(data, dict) else None
+        if found:
+            raise RequestError(found[1], found[0])
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -79,15 +48,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+class _Request(Body):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float | None = None  # (unset: the server's default, then 1.0)
+    top_p: float | None = None
+    top_k: int | None = None
     min_tokens: int = 0
     stop: Any = None
     stop_token_ids: list[int] | None = None
@@ -111,6 +79,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None  # (vLLM's extension, as min_p)
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    return_token_ids: bool = False  # vLLM's extension: each choice's token ids
 
     @model_validator(mode="before")
     @classmethod
@@ -132,8 +101,12 @@ class _Request(BaseModel):
             return v
         raise ValueError("must be a string or a list of strings")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """ValueError (naming the value) for a bad one; `stream_options` needs `stream`."""
+    def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
+        """ValueError (naming the value) for a bad one; `stream_options` needs `stream`.
+        `defaults` (the server's --generation-config: SamplingParams field -> value)
+        stand in for the fields the request leaves unset."""
+        d = defaults or {}
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true",
                                "stream_options")
@@ -143,14 +116,17 @@ class _Request(BaseModel):
                                "the best samples are known only at the end", "best_of")
         try:
             return SamplingParams(  # (normalises the stop lists and validates every value)
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                temperature=_or(self.temperature, d.get("temperature", 1.0)),
+                top_p=_or(self.top_p, d.get("top_p", 1.0)),
+                top_k=_or(self.top_k, d.get("top_k", -1)),
+                max_tokens=_or(self.max_tokens, d.get("max_tokens", default_max_tokens)),
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 seed=self.seed, ignore_eos=self.ignore_eos, n=n, best_of=self.best_of,
                 presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, 1.0),
-                min_p=_or(self.min_p, 0.0), logit_bias=self._logit_bias(),
+                repetition_penalty=_or(self.repetition_penalty,
+                                       d.get("repetition_penalty", 1.0)),
+                min_p=_or(self.min_p, d.get("min_p", 0.0)), logit_bias=self._logit_bias(),
                 **self._logprob_params(),
             )
         except ValueError as e:
@@ -198,10 +174,18 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, str) or (isinstance(v, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in v)):
+        if v is None or isinstance(v, str) or _is_ids(v):
             return v
-        raise ValueError("must be a string or a list of token ids")
+        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v)
+                                          or all(_is_ids(p) for p in v)):
+            return v
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of "
+                         "strings or of token-id lists (several prompts)")
+
+    def prompts(self) -> list[Any]:
+        """The request's prompts: one, or several (each with its own choices)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or _is_ids(p) else list(p)
 
     @model_validator(mode="after")
     def _has_prompt(self) -> CompletionRequest:
@@ -210,11 +194,44 @@ class CompletionRequest(_Request):
         return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in v)
+
+
+class ChatMessage(Body):
+    """One message: `content` a string or a list of text parts; the fields an assistant
+    message carries when a client sends back the reply it got (`refusal`, `annotations`,
+    `audio`, `function_call`, `tool_calls`) are accepted while null (or empty)."""
+
     role: str
-    content: str
-    name: str | None = None  # OpenAI's participant name: the chat template does not use it
+    content: Any = None
+    name: str | None = None  # OpenAI's participant name (plain text in the template)
+    tool_call_id: str | None = None
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: Any = None
+
+    @field_validator("refusal", "annotations", "audio", "function_call", "tool_calls")
+    @classmethod
+    def _null(cls, v: Any) -> Any:
+        if v not in (None, []):
+            raise ValueError(f"{v!r:.60} is not supported by this server (send null)")
+        return v
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"must be one of {', '.join(ROLES)}, got {v!r:.40}")
+        return v
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template takes it (`render_chat`)."""
+        return self.model_dump(include={"role", "content", "name", "tool_call_id"},
+                               exclude_none=True)
 
 
 class ChatRequest(_Request):
@@ -234,6 +251,11 @@ class ChatRequest(_Request):
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
+        for i, m in enumerate(self.messages):
+            try:
+                check_message(i, m.for_template())
+            except ValueError as exc:
+                raise RequestError(str(exc), str(exc).split(" ", 1)[0]) from None
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise RequestError("max_tokens and max_completion_tokens differ: send one",
