@@ -226,7 +226,13 @@ def test_dtype_auto_is_float32_on_the_cpu_everywhere(tmp_path, monkeypatch):
     for command in ("generate", "serve"):
         assert _build_parser().parse_args([command]).dtype == "auto"
     scripts = Path(__file__).parent.parent / "scripts"
-    for name in ("bench_engine.py", "bench_throughput.py", "profile_engine.py"):
+    import argparse
+
+    from jprefix.benchmarks.throughput import add_cli_args
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert parser.parse_args([]).dtype == "auto"  # (`jprefix bench throughput`)
+    for name in ("bench_engine.py", "profile_engine.py"):
         calls = [n for n in ast.walk(ast.parse((scripts / name).read_text()))
                  if isinstance(n, ast.Call) and n.args and getattr(n.args[0], "value", None)
                  == "--dtype"]
