@@ -77,7 +77,7 @@ class EngineArgs:
     # "pallas" | "xla" | "pallas-interpret": the attention kernels, and on few-row steps
     # the few-row matmuls (jprefix.worker.step); None: Pallas on GPU, XLA elsewhere
     attention_backend: str | None = None
-    unroll_layers: bool | None = None  # None: unrolled on GPU, lax.scan elsewhere
+    unroll_layers: bool | None = None  # None: unrolled on GPU, one lax.scan elsewhere
     enable_cascade: bool = True  # decode attends each shared prefix once per group
     cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off
     cascade_min_blocks: int = 4  # shared blocks before a group pays off
