@@ -118,6 +118,9 @@ def test_generate_errors_are_one_line_naming_the_flag(monkeypatch):
             cli.main(["generate", "--model", model, "--load-format", fmt])
         message = str(exc.value)
         assert words in message and "\n" not in message, message
+        # the compile watch (a process-wide jax listener) is gone with the failed run
+        from jprefix.entrypoints.cli_progress import CompileWatch
+        assert CompileWatch._instances == []
     args = cli._build_parser().parse_args([
         "generate", "--seed", "3", "--top-p", "0.5", "--top-k", "4", "--min-p", "0.1",
         "--repetition-penalty", "1.2", "--presence-penalty", "0.3", "--frequency-penalty",

@@ -156,6 +156,13 @@ def run_generate(args) -> int:
     status = StatusLine()
     status.show(f"loading {args.model} ...", force=True)
     compiles = CompileWatch(lambda n, s: status.show(f"compiling: {n} programs ({s:.1f} s)"))
+    try:  # (the watch listens to jax's compile events process-wide: always removed)
+        return _generate(args, params, system, users, status, compiles)
+    finally:
+        compiles.close()
+
+
+def _generate(args, params, system, users, status, compiles) -> int:
     t0 = time.perf_counter()
     llm = _load(args)
     load_s = time.perf_counter() - t0 - compiles.seconds
@@ -185,7 +192,6 @@ def run_generate(args) -> int:
             answers[-1].add(out, delta=False)
             print(f"### {user}\n{out.text.strip()}\n")
     wall = time.perf_counter() - start
-    compiles.close()
     compile_s = compiles.seconds - before
     _print_table(answers, load_s, compile_s, compiles.count, wall - compile_s, prefix_pos)
     return 0

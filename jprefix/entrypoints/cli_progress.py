@@ -62,7 +62,10 @@ class CompileWatch:
             if event == _BACKEND:
                 watch.count += 1
                 if watch.on_compile is not None:
-                    watch.on_compile(watch.count, watch.seconds)
+                    try:  # (a progress display never breaks a compile)
+                        watch.on_compile(watch.count, watch.seconds)
+                    except Exception:
+                        watch.on_compile = None
 
 
 class StatusLine:
