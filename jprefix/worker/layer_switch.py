@@ -43,8 +43,10 @@ def layer_loop(params: Params, linear: LinearFn, backend: str, mesh: Mesh | None
                ) -> tuple[Params, LinearFn]:
     """The params and linear the step hands `forward`: per-layer (unfused) buffers on the
     XLA backend on one device (`worker.params.prepare_params` makes them so on the CPU)
-    as `scan_params` and `switched_linear`; anything else as it is."""
-    if params.layout == "per_layer" and backend == "xla" and mesh is None:
+    as `scan_params` and `switched_linear`; anything else as it is (a mixture of experts
+    too: its expert stacks reach the grouped matmul, not `linear`, so they run unrolled)."""
+    if (params.layout == "per_layer" and backend == "xla" and mesh is None
+            and params.layers[0].router is None):
         return scan_params(params), switched_linear(linear, params.layers)
     return params, linear
 
