@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jprefix.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS
-from jprefix.entrypoints.cli_args import HELP
+from jprefix.entrypoints.cli_args import add_fp8_flags as add_fp8_flags  # (re-exported)
+from jprefix.entrypoints.cli_args import fp8_kwargs as fp8_kwargs
 
 
 def write_json(path: str | None, result: Any) -> None:
@@ -32,21 +32,6 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 def replicas(llm: Any) -> list:
     """The engine's replicas (LLMEngines): one without data parallelism."""
     return getattr(llm.engine, "replicas", [llm.engine])
-
-
-def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
-    """--kv-cache-dtype and --quantization as `jprefix serve` takes them (EngineArgs'
-    fields), for tools that take no other engine flag."""
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help=HELP["kv_cache_dtype"])
-    parser.add_argument("--quantization", default=None,
-                        choices=[q for q in QUANTIZATIONS if q is not None],
-                        help=HELP["quantization"])
-
-
-def fp8_kwargs(args: argparse.Namespace) -> dict:
-    """The two fp8 flags as LLM keyword arguments."""
-    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def workload_parser(description: str, prompts: bool = True) -> argparse.ArgumentParser:

@@ -22,26 +22,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import jprefix  # noqa: E402  (its names load lazily: nothing heavy is imported)
 from jprefix.benchmarks.cli import add_bench_parser, run_bench  # noqa: E402
+from jprefix.entrypoints.cli_args import add_fp8_flags  # noqa: E402
+from jprefix.entrypoints.cli_args import fp8_kwargs as fp8_kwargs  # noqa: E402  (re-exported)
 from jprefix.entrypoints.cli_generate import add_generate_parser, run_generate  # noqa: E402
 from jprefix.entrypoints.cli_serve import add_serve_parser, run_serve  # noqa: E402
 
 VERSION = jprefix.__version__
-
-
-def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
-    """--kv-cache-dtype and --quantization (vLLM's names), for the CLI and the benchmark
-    scripts; `fp8_kwargs` turns them into LLM keyword arguments."""
-    from jprefix.engine.args import KV_CACHE_DTYPES
-
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="the KV cache's format: auto = the model dtype; fp8 = fp8_e4m3 "
-                             "(per-row scales)")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="fp8: the linear layers' weights quantised at load time")
-
-
-def fp8_kwargs(args: argparse.Namespace) -> dict:
-    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -76,3 +76,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine flags as EngineArgs' (and so LLM's) keyword arguments."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+
+
+def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype and --quantization as `jprefix serve` takes them (EngineArgs'
+    fields), for tools that take no other engine flag (`jprefix generate`, benchmarks)."""
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help=HELP["kv_cache_dtype"])
+    parser.add_argument("--quantization", default=None,
+                        choices=[q for q in QUANTIZATIONS if q is not None],
+                        help=HELP["quantization"])
+
+
+def fp8_kwargs(args: argparse.Namespace) -> dict:
+    """The two fp8 flags as LLM keyword arguments."""
+    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
