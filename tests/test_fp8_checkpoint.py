@@ -82,12 +82,13 @@ def test_fp8_checkpoint_loads_dequantised_and_serves_in_fp8(scheme, tmp_path):
 
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=16,
               attention_backend="xla")
-    wk = llm.engine.runner.params.layers.wk
+    layers = llm.engine.runner.params.layers  # (per layer on the CPU, else stacked)
+    wk = layers[1].wk if isinstance(layers, tuple) else layers.wk
     assert isinstance(wk, Fp8Weight)  # served in fp8 without quantization="fp8"
+    w8_1, scale_1 = (wk.w8, wk.scale) if isinstance(layers, tuple) else (wk.w8[1], wk.scale[1])
     if scheme == "channel":  # per-channel: the checkpoint's own fp8 values and scales
-        np.testing.assert_array_equal(np.asarray(wk.w8[1]).astype(np.float32),
-                                      w8.float().numpy())
-        np.testing.assert_allclose(np.asarray(wk.scale[1]), scale[:, 0].numpy(), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(w8_1).astype(np.float32), w8.float().numpy())
+        np.testing.assert_allclose(np.asarray(scale_1), scale[:, 0].numpy(), rtol=1e-6)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (20, 37)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent("""
     from jprefix import LLM, SamplingParams
     from jprefix.worker import parallel
     from jprefix.worker import step as step_mod
+    from jprefix.worker import step_linear as linear_mod
     from models.reference import dense_generate
     assert len(jax.devices()) == 4, jax.devices()
     backend = sys.argv[1]
@@ -38,10 +39,10 @@ SCRIPT = textwrap.dedent("""
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = [dense_generate(model.params, cfg, p, 5, eos_token_ids=()) for p in prompts]
     calls = []  # the Pallas fast paths' calls as traced: (kernel, per-device size)
-    real_rope, real_skinny = step_mod.rope_write_kv, step_mod.skinny_matmul
+    real_rope, real_skinny = step_mod.rope_write_kv, linear_mod.skinny_matmul
     step_mod.rope_write_kv = lambda *a, **k: calls.append(("rope", k["num_heads"])) or \
         real_rope(*a, **k)
-    step_mod.skinny_matmul = lambda x, w, **k: calls.append(
+    linear_mod.skinny_matmul = lambda x, w, **k: calls.append(
         ("skinny", w.shape[-1], k.get("act"))) or real_skinny(x, w, **k)
     f = cfg.intermediate_size
     for unroll in (False, True):
