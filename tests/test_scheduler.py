@@ -347,6 +347,23 @@ def arrive_and_abort(sched: Scheduler, reqs: list[Request], seqs: list[Sequence]
             sched.abort(s.request_id)
 
 
+def run_workload(sched: Scheduler, runner: FakeRunner, reqs: list[Request],
+                 seqs: list[Sequence], stepper=None, step_fn=None) -> None:
+    """Steps (with `stepper`, else `step_fn`, default `step`) until every request arrived
+    and finished; AssertionError if 2,000 steps do not finish the workload."""
+    step_fn = step_fn or step
+    for t in range(2000):
+        arrive_and_abort(sched, reqs, seqs, t)
+        busy = stepper.busy() if stepper else sched.has_unfinished()
+        if t > max(r.arrive for r in reqs) and not busy:
+            return
+        if stepper:
+            stepper.step()
+        else:
+            step_fn(sched, runner)
+    raise AssertionError("workload did not finish")
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**WORKLOAD, max_num_seqs=st.integers(1, 6), chunked=st.booleans())
 def test_random_workload_completes_with_balanced_refs(
@@ -357,17 +374,7 @@ def test_random_workload_completes_with_balanced_refs(
                          enable_prefix_caching=caching)
     stepper = AsyncStepper(sched, runner) if async_ else None
     seqs = workload_seqs(reqs)
-    for t in range(2000):
-        arrive_and_abort(sched, reqs, seqs, t)
-        busy = stepper.busy() if stepper else sched.has_unfinished()
-        if t > max(r.arrive for r in reqs) and not busy:
-            break
-        if stepper:
-            stepper.step()
-        else:
-            step(sched, runner)
-    else:
-        raise AssertionError("workload did not finish")
+    run_workload(sched, runner, reqs, seqs, stepper)
     bm = sched.block_manager
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     assert bm.num_free_blocks == bm.num_blocks - 1

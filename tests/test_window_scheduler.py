@@ -15,7 +15,7 @@ from test_scheduler import (
     AsyncStepper,
     FakeRunner,
     V,
-    arrive_and_abort,
+    run_workload,
     workload_seqs,
 )
 
@@ -112,17 +112,7 @@ def test_random_window_workload_frees_blocks_and_matches_the_model(
     if stepper:  # (the stepper checks with the plain invariants: swap in the window's)
         stepper.step = lambda s=stepper: _async_step(s)
     seqs = workload_seqs(reqs)
-    for t in range(2000):
-        arrive_and_abort(sched, reqs, seqs, t)
-        busy = stepper.busy() if stepper else sched.has_unfinished()
-        if t > max(r.arrive for r in reqs) and not busy:
-            break
-        if stepper:
-            stepper.step()
-        else:
-            step(sched, runner)
-    else:
-        raise AssertionError("workload did not finish")
+    run_workload(sched, runner, reqs, seqs, stepper, step)
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks - 1
     for s in seqs:
