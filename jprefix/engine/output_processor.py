@@ -162,7 +162,8 @@ class OutputProcessor:
             self._watched.pop(seq.request_id, None)
             if state is None:
                 continue
-            state.push()
+            if state.watched:  # (an unwatched request's text is decoded once, below)
+                state.push()
             out.append(self._output(state, state.final_text(), seq.finish_reason, now))
         return out
 
