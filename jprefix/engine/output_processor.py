@@ -40,7 +40,9 @@ class RequestState:
         self.kind = sp.output_kind
         self.stop: list[str] = sp.stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        # (only a watched request decodes as it goes: `watched` reads kind and stop)
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if self.watched else None
         self.stop_at: int | None = None  # where a matched stop string cuts the text
         self.logprobs = LogprobState(seq.num_logprobs, seq.num_prompt_logprobs)
         self.sent_tokens = 0  # output tokens, characters and logprob entries sent
@@ -76,12 +78,11 @@ class RequestState:
         return bool(hits)
 
     def final_text(self) -> str:
-        text = self.detokenizer.text
         if self.stop_at is not None:
-            return text[: self.stop_at]
-        if self.detokenizer.tokenizer is None:
+            return self.detokenizer.text[: self.stop_at]
+        if self.tokenizer is None:
             return ""
-        return self.detokenizer.tokenizer.decode(self.seq.output_token_ids,
+        return self.tokenizer.decode(self.seq.output_token_ids,
                                                  skip_special_tokens=True)
 
     def safe_text(self) -> str:
