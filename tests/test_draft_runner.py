@@ -110,3 +110,20 @@ def test_the_pool_split_leaves_room_for_the_draft_cache(sharp_tiny, target):
     free = 10_000 * (t + d)  # blocks sized as ModelRunner sizes them, then the draft's
     blocks = int(free * share) // t
     assert blocks * (t + d) <= 0.9 * free < (blocks + 2) * (t + d)
+
+
+def test_the_gpu_path_proposes_the_same(sharp_tiny):
+    """The Pallas kernels (interpreted) over fused per-layer weights, as on a GPU; the
+    second row reads the first's block written in the same step."""
+    runner = DraftRunner(sharp_tiny, sharp_tiny, num_blocks=16, block_size=B,
+                         backend="pallas-interpret", unroll_layers=True)
+    first = [3, 5, 7, 9, 11, 13]
+    rows = [_Row(first, [1, 2, 3]), _Row(first[:4] + [3, 5, 7, 9, 2], [1, 4, 5], cached=4)]
+    _check(runner, sharp_tiny, rows, 2)
+
+
+def test_load_by_name_with_dummy_weights(target):
+    runner = DraftRunner.load("tiny-llama", target, num_blocks=8, block_size=B,
+                              dtype="float32", load_format="dummy")
+    assert runner.name == "tiny-llama" and runner.kv_cache[0].shape == (2, 2, 8, B, 16)
+    assert runner.block_bytes == kv_block_bytes(runner.cfg, B, np.float32)
