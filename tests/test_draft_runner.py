@@ -101,6 +101,8 @@ def test_a_draft_with_another_tokenizer_is_refused(sharp_tiny, target):
 def test_a_block_table_short_of_the_lookahead_is_refused(runner):
     with pytest.raises(ValueError, match="does not cover position 8"):
         runner.propose([DraftRow([5, 6, 7], 4, [1, 2])], 3)
+    with pytest.raises(ValueError, match="outside the pool of 48"):
+        runner.propose([DraftRow([5, 6, 7], 0, [1, 48])], 2)
 
 
 def test_the_pool_split_leaves_room_for_the_draft_cache(sharp_tiny, target):
@@ -123,7 +125,10 @@ def test_the_gpu_path_proposes_the_same(sharp_tiny):
 
 
 def test_load_by_name_with_dummy_weights(target):
-    runner = DraftRunner.load("tiny-llama", target, num_blocks=8, block_size=B,
+    runner = DraftRunner.load("tiny-llama", target, num_blocks=None, block_size=B,
                               dtype="float32", load_format="dummy")
+    with pytest.raises(RuntimeError, match="allocate_cache"):
+        runner.propose([DraftRow([1], 0, [1])], 1)
+    runner.allocate_cache(8)  # (once the target's pool is sized)
     assert runner.name == "tiny-llama" and runner.kv_cache[0].shape == (2, 2, 8, B, 16)
     assert runner.block_bytes == kv_block_bytes(runner.cfg, B, np.float32)

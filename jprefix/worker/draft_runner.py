@@ -60,13 +60,15 @@ class DraftRunner:
     """The draft model's weights and KV cache, and its proposals (`propose`).
 
     `num_blocks` and `block_size` must be the target runner's (the block ids are its);
-    size the pool for both caches with `target_memory_fraction`. `target` is checked for
+    size the pool for both caches with `target_memory_fraction`. `num_blocks` None: no
+    cache yet (the draft's weights placed first, so that the target's runner sizes its
+    pool from the memory left), `allocate_cache` once the pool is sized. `target` is checked for
     the same vocabulary (ValueError naming both models otherwise); only its name, config
     and tokenizer are read. `donate_params`: the draft's weights are handed over
     (`prepare_params`). `kv_cache_dtype` ("auto": the draft's dtype, or an fp8 format)
     as the engine's; `backend` and `buckets` as `ModelRunner`'s (None: the defaults)."""
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel, num_blocks: int,
+    def __init__(self, draft: LoadedModel, target: LoadedModel, num_blocks: int | None,
                  block_size: int, kv_cache_dtype: str = "auto", backend: str | None = None,
                  buckets: BucketConfig | None = None, unroll_layers: bool | None = None,
                  device: Any = None, donate_params: bool = False):
@@ -81,18 +83,24 @@ class DraftRunner:
         self.params = prepare_params(params, self.cfg, None, unroll_layers, donate_params)
         self.backend, self.block_size = backend, block_size
         self.buckets = buckets or BucketConfig()
-        self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype(kv_cache_dtype, draft.params.embed.dtype)
         self.kv_format = bits_format(self.kv_dtype, backend, None)  # (`worker.kv_bits`)
-        home = SingleDeviceSharding(next(iter(jax.tree.leaves(self.params)[0].devices())))
-        self.kv_cache: KVCache = empty_kv_cache(
-            self.cfg, num_blocks, block_size, self.kv_dtype, home,
+        self._home = SingleDeviceSharding(
+            next(iter(jax.tree.leaves(self.params)[0].devices())))
+        self.num_blocks, self.kv_cache = 0, None
+        if num_blocks is not None:
+            self.allocate_cache(num_blocks)
+        self.shapes_seen: set[tuple[int, ...]] = set()  # (T, S, M, decode) of the steps
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """The draft's zeroed KV cache of `num_blocks` blocks (the target pool's count)."""
+        self.num_blocks = num_blocks
+        self.kv_cache: KVCache | None = empty_kv_cache(
+            self.cfg, num_blocks, self.block_size, self.kv_dtype, self._home,
             stored_as=self.kv_format and bits_dtype(self.kv_dtype))
-        self._home = home
-        self.shapes_seen: set[tuple[int, ...]] = set()  # (T, S, M) of the steps run
 
     @classmethod
-    def load(cls, model: str, target: LoadedModel, num_blocks: int, block_size: int,
+    def load(cls, model: str, target: LoadedModel, num_blocks: int | None, block_size: int,
              dtype: Any, load_format: str = "auto", **kwargs: Any) -> DraftRunner:
         """The draft model loaded by name as the target is (`models.loader.load`: a
         checkpoint, hub id, embedded model, or with `load_format="dummy"` a preset), its
@@ -111,6 +119,8 @@ class DraftRunner:
         `rows`' order, S = len(rows)."""
         if k < 1:
             raise ValueError(f"k {k}: propose at least one token")
+        if self.kv_cache is None:
+            raise RuntimeError("the draft runner has no KV cache yet: allocate_cache first")
         if not rows:
             return np.zeros((0, k), np.int32)
         self._check(rows, k)
@@ -142,6 +152,9 @@ class DraftRunner:
             if len(r.block_table) * self.block_size <= last:
                 raise ValueError(f"draft row {i}: block table of {len(r.block_table)} blocks "
                                  f"does not cover position {last}")
+            if max(r.block_table) >= self.num_blocks or min(r.block_table) < 0:
+                raise ValueError(f"draft row {i}: block ids {min(r.block_table)}.."
+                                 f"{max(r.block_table)} outside the pool of {self.num_blocks}")
 
     def _batch(self, token_ids: np.ndarray | None, starts: np.ndarray, lens: np.ndarray,
                block_tables: np.ndarray) -> dict[str, np.ndarray]:
