@@ -62,8 +62,8 @@ class DraftRunner:
     `num_blocks` and `block_size` must be the target runner's (the block ids are its);
     size the pool for both caches with `target_memory_fraction`. `num_blocks` None: no
     cache yet (the draft's weights placed first, so that the target's runner sizes its
-    pool from the memory left), `allocate_cache` once the pool is sized. `target` is checked for
-    the same vocabulary (ValueError naming both models otherwise); only its name, config
+    pool from the memory left); `allocate_cache` once the pool is sized. `target` is
+    checked for the same vocabulary (ValueError naming both models otherwise); only its name, config
     and tokenizer are read. `donate_params`: the draft's weights are handed over
     (`prepare_params`). `kv_cache_dtype` ("auto": the draft's dtype, or an fp8 format)
     as the engine's; `backend` and `buckets` as `ModelRunner`'s (None: the defaults)."""
@@ -76,14 +76,14 @@ class DraftRunner:
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-        params = draft.params
+        params, model_dtype = draft.params, draft.params.embed.dtype
         if device is not None:
             params = jax.device_put(params, SingleDeviceSharding(device))
         self.name, self.cfg = draft.name, draft.config
         self.params = prepare_params(params, self.cfg, None, unroll_layers, donate_params)
         self.backend, self.block_size = backend, block_size
         self.buckets = buckets or BucketConfig()
-        self.kv_dtype = kv_dtype(kv_cache_dtype, draft.params.embed.dtype)
+        self.kv_dtype = kv_dtype(kv_cache_dtype, model_dtype)
         self.kv_format = bits_format(self.kv_dtype, backend, None)  # (`worker.kv_bits`)
         self._home = SingleDeviceSharding(
             next(iter(jax.tree.leaves(self.params)[0].devices())))
