@@ -12,6 +12,7 @@ output row was written (the zero rows past the groups included).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -207,3 +208,17 @@ def test_kernel_runs_per_shard_under_tensor_parallelism():
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_bench_moe_smoke(tmp_path):
+    """scripts/bench_moe.py --tiny: every variant runs, equals ragged_dot, and lands in
+    the JSON with its bound."""
+    from scripts import bench_moe
+
+    out = tmp_path / "moe.json"
+    result = bench_moe.main(["--tiny", "--models", "tiny-mixtral", "--tokens", "8",
+                             "--reps", "3", "--budget-s", "0.05", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row == result["rows"][0] and not row["errors"]
+    assert {"ragged_dot", "kernel"} <= set(row["ms"]) and row["bound_ms"] > 0
+    assert max(row["rel_err"].values()) < 1e-5
