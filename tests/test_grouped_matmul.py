@@ -144,13 +144,15 @@ def test_bad_inputs_are_named():
         check_inputs(x, jnp.zeros((2, 16, 32)), gs, T16, scale=jnp.ones((2, 16)))  # not fp8
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe"])
-def test_engine_tokens_equal_with_the_kernel_and_ragged_dot(name, monkeypatch):
+@pytest.mark.parametrize("name,quantization", [("tiny-mixtral", None),
+                                               ("tiny-qwen3-moe", "fp8")])
+def test_engine_tokens_equal_with_the_kernel_and_ragged_dot(name, quantization, monkeypatch):
     """Greedy tokens of a prefill and decode steps: "pallas-interpret" (the kernel for
     every expert matmul, counted) == "xla" (ragged_dot). The dummy expert weights are
     scaled x8: at their std of 0.02 the experts barely move the tokens (a kernel reading
     the wrong expert gave the same tokens on tiny-qwen3-moe), at x8 that bug changes
-    every sequence's."""
+    every sequence's. With fp8 the first layer's experts run the kernel's fp8 variant (the
+    last layer's MLP stays in the model dtype)."""
     model = jprefix.load(name, dtype="float32", load_format="dummy")
     lp = model.params.layers
     lp = dataclasses.replace(lp, w_gate=lp.w_gate * 8, w_up=lp.w_up * 8, w_down=lp.w_down * 8)
@@ -160,12 +162,14 @@ def test_engine_tokens_equal_with_the_kernel_and_ragged_dot(name, monkeypatch):
     calls = []
     kernel = step_linear.gmm.grouped_matmul
     monkeypatch.setattr(step_linear.gmm, "grouped_matmul",
-                        lambda *a, **kw: calls.append(kw["tiling"]) or kernel(*a, **kw))
+                        lambda *a, **kw: calls.append(kw["scale"] is not None) or kernel(*a, **kw))
     outs = {}
     for backend in ("xla", "pallas-interpret"):
-        llm = LLM(model, block_size=8, num_kv_blocks=32, attention_backend=backend)
+        llm = LLM(model, block_size=8, num_kv_blocks=32, attention_backend=backend,
+                  quantization=quantization)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, greedy(4), use_tqdm=False)]
     assert calls, "the engine never ran the grouped matmul kernel"
+    assert any(calls) == (quantization == "fp8") and not all(calls)
     assert outs["pallas-interpret"] == outs["xla"]
 
 
