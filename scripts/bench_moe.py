@@ -202,8 +202,8 @@ def bench_case(model: str, t: int, weights, args, rng) -> dict:
             fn = (futures[name].result() if name in futures
                   else compile_one(layer_stack(mm, layers), call_args, flags))
             out = fn(*call_args)
-            if ref is None:
-                ref = np.asarray(out, np.float32)  # (ragged_dot runs first)
+            if ref is None:  # (ragged_dot runs first; where it failed, the next)
+                ref, row["rel_err_against"] = np.asarray(out, np.float32), name
             got = np.asarray(out, np.float32)
             row["rel_err"][name] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
             row["ms"][name] = time_call(fn, call_args, args.budget_s, args.reps) / layers * 1e3
