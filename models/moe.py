@@ -19,11 +19,11 @@ and a grouped matmul multiplies each group by its own expert's weight: `experts`
 it as `matmul` (the step injects the Pallas grouped GEMM for its Pallas backends:
 jprefix.worker.step_linear `step_experts`, the one place that chooses), by default
 `grouped_matmul` here, `jax.lax.ragged_dot`; nothing computes an expert for a token not
-routed to it. How ragged_dot executes is the
-backend's: jax 0.10 on the CPU, and XLA:GPU unless its cuDNN ragged-dot fusion is on
-(`--xla_gpu_experimental_use_ragged_dot_fusion`, cuDNN >= 9.22), expand it into a masked
-product over every group; jax's Pallas-Triton grouped GEMM takes it where that jax ships
-it (`jax_ragged_dot_use_gpu_pallas_triton_lowering`). The outputs are unsorted by the
+routed to it. How ragged_dot executes is the backend's: jax 0.10 on the CPU, and XLA:GPU
+unless its cuDNN ragged-dot fusion is on (`--xla_gpu_experimental_use_ragged_dot_fusion`,
+cuDNN >= 9.22), expand it into a masked product over every group; jax's Pallas-Triton
+grouped GEMM takes it where that jax ships it
+(`jax_ragged_dot_use_gpu_pallas_triton_lowering`). The outputs are unsorted by the
 inverse permutation and summed over k in float32 with the routing weights.
 
 Expert weights are `LayerParams.w_gate` / `w_up` [X, E, F] and `w_down` [X, F, E] (one
