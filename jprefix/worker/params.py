@@ -12,7 +12,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jprefix.worker.kv_cache import check_fp8_device
-from jprefix.worker.layer_switch import split_columns
 from jprefix.worker.parallel import replicate_kv_heads, shard_params, tp_config
 from models.config import ModelConfig
 from models.layout import fuse_projections, quantize_linears, unstack_layers
@@ -28,16 +27,14 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
     matmul each (layout "fused"; per shard under a mesh, `Params.shards`); on the CPU by
     default (`unroll_layers` None, one device) per-layer unfused buffers (layout
-    "per_layer"), which the step scans (`worker.layer_switch`), each matmul weight in
-    column pieces (`layer_switch.split_columns`) on a CPU of two or more cores. Idempotent.
+    "per_layer"), which the step scans (`worker.layer_switch`). Idempotent.
     `donate`: the caller hands the weights over, so the input buffers the result does
     not reuse are freed at once (one copy of the weights on the device, not two, before
     the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
     fp8 (one device; `layout.quantize_linears`: the last layer's MLP stays in the model
     dtype, except for an fp8 checkpoint)."""
     gpu = jax.default_backend() == "gpu"
-    cpu_scan = unroll_layers is None and not gpu and mesh is None
-    if cpu_scan and params.layout == "stacked":
+    if unroll_layers is None and not gpu and mesh is None and params.layout == "stacked":
         # CPU: per-layer buffers scanned, each matmul reading its layer's own buffer
         # (`worker.layer_switch`): no per-step weight copy, one compiled layer
         params = _unstack_in_host_memory(params)
@@ -62,8 +59,6 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
         params = quantize_linears(params, keep_last_mlp=not cfg.checkpoint_quantization)
     elif quantization is not None:
         raise ValueError(f"quantization {quantization!r} is not one of None, fp8")
-    if cpu_scan:  # each matmul weight in column pieces, run on two cores (layer_switch)
-        params = split_columns(params)
     if params is not given:  # (the KV cache is sized from the memory free after this)
         settle(params)
     if donate and params is not given:
