@@ -24,7 +24,8 @@ from models.fp8_linear import Fp8Weight, quantize_weight
 from models.llama import LayerParams, Params, check_layout
 
 # fused field -> the fields concatenated into it along the output axis, in order
-_FUSED = {"wq": ("wq", "wk", "wv"), "bq": ("bq", "bk", "bv"), "w_gate": ("w_gate", "w_up")}
+# the fused fields and their parts, in column order (LayerParams' fused form)
+FUSED_FIELDS = {"wq": ("wq", "wk", "wv"), "bq": ("bq", "bk", "bv"), "w_gate": ("w_gate", "w_up")}
 
 
 def param_partition_specs(cfg: ModelConfig, axis: str = "tp", kv_split: bool = True) -> Params:
@@ -79,7 +80,7 @@ def unstack_layers(params: Params, fuse: bool = False, shards: int = 1) -> Param
         raise ValueError(f"unstack_layers needs layout 'stacked', got {params.layout!r}")
     stacked = params.layers
     num_layers = stacked.attn_norm.shape[0]
-    groups = _FUSED if fuse else {}
+    groups = FUSED_FIELDS if fuse else {}
     fused_away = {name for names in groups.values() for name in names[1:]}
     fields = {}
     for f in dataclasses.fields(LayerParams):
@@ -112,8 +113,8 @@ def fuse_projections(params: Params) -> Params:
     layers = []
     for lp in params.layers:
         fused = {name: None if getattr(lp, name) is None
-                 else cat(*(getattr(lp, n) for n in names)) for name, names in _FUSED.items()}
-        away = {n: None for names in _FUSED.values() for n in names[1:]}
+                 else cat(*(getattr(lp, n) for n in names)) for name, names in FUSED_FIELDS.items()}
+        away = {n: None for names in FUSED_FIELDS.values() for n in names[1:]}
         layers.append(dataclasses.replace(lp, **away, **fused))
     return dataclasses.replace(params, layers=tuple(layers), layout="fused")
 

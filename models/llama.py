@@ -131,16 +131,22 @@ LAYOUTS = ("stacked", "per_layer", "fused")
 
 def check_layout(params: Params) -> None:
     """ValueError, naming the combination, unless `params.layers` has the form that
-    `params.layout` names (a tuple iff per-layer; fused fields iff "fused")."""
+    `params.layout` names (a tuple iff per-layer; fused fields iff "fused", or in any
+    "stacked" layers whose `wk` is None: the CPU's scan over fused buffers)."""
     layout, layers = params.layout, params.layers
     if isinstance(layers, tuple) != (layout != "stacked"):
         form = "a tuple of per-layer LayerParams" if isinstance(layers, tuple) else "stacked layers"
         raise ValueError(f"Params layout {layout!r} with {form}")
-    fused = layout == "fused"
+    fused = layout == "fused" or (layout == "stacked" and layers.wk is None)
     for lp in layers if isinstance(layers, tuple) else (layers,):
         if (lp.wk is None, lp.w_up is None) != (fused, fused):
             form = "unfused" if fused else "fused (wk or w_up None)"
             raise ValueError(f"Params layout {layout!r} with {form} Q/K/V or gate/up weights")
+
+
+def is_fused(params: Params) -> bool:
+    """Whether Q/K/V and gate/up are each one matrix (see LayerParams)."""
+    return params.layout == "fused" or (params.layout == "stacked" and params.layers.wk is None)
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -248,7 +254,7 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     x = embed_tokens(params.embed, cfg, token_ids)
     body = functools.partial(_layer, cfg=cfg, positions=positions, inv_freq=layer_inv_freqs(cfg),
                              attn_fn=attn_fn, linear=linear, qkv_attn_fn=qkv_attn_fn,
-                             fused=params.layout == "fused", shards=params.shards,
+                             fused=is_fused(params), shards=params.shards,
                              col_linear=col_linear or linear, experts_fn=experts_fn)
     if params.layout == "stacked":
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -1,7 +1,9 @@
-"""The CPU's layer loop (`worker.layer_switch`): per-layer weight buffers under one scan
-give the stacked scan's and the unrolled layers' tokens, and the compiled step copies no
-layer's weights (a stacked scan slices a copy of every layer's matrices on every step);
-one stream decoding packs into T = 2, S = 1 (`BucketConfig.single_stream`)."""
+"""The CPU's layer loop (`worker.layer_switch`): per-layer weight buffers under one scan,
+fused (the default: Q/K/V one matrix, gate/up one) or not, give the stacked scan's and
+the dense reference's tokens, the fused scan really runs 4 matmuls per layer (not 7), and
+the compiled step copies no layer's weights (a stacked scan slices a copy of every layer's
+matrices on every step); one stream decoding packs into T = 2, S = 1
+(`BucketConfig.single_stream`)."""
 
 import re
 
@@ -10,11 +12,13 @@ import numpy as np
 import pytest
 
 import jprefix
+import jprefix.worker.params as worker_params
 from jprefix import LLM, SamplingParams
 from jprefix.core.scheduler import ScheduledSeq
 from jprefix.core.sequence import Sequence
 from jprefix.worker.layer_switch import MATMUL_FIELDS
 from jprefix.worker.pack import BucketConfig, pack_step
+from models.reference import dense_generate
 from scripts.memcheck import compile_step, synthetic_rows
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's layout")
@@ -25,19 +29,48 @@ def tiny():
     return jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
 
 
-def test_scanned_layer_buffers_match_stacked_and_unrolled_layers(tiny):
+def _unfused(monkeypatch) -> None:
+    """The CPU's default layout with per-layer buffers left unfused (layout "per_layer")."""
+    unstack = worker_params._unstack_in_host_memory
+    monkeypatch.setattr(worker_params, "_unstack_in_host_memory",
+                        lambda params, fuse=False: unstack(params, False))
+
+
+def test_scanned_layer_buffers_match_stacked_layers_and_the_reference(tiny, monkeypatch):
     prompts = [np.random.default_rng(i).integers(3, 200, 11 + 5 * i).tolist() for i in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [dense_generate(tiny.params, tiny.config, p, 6, eos_token_ids=()) for p in prompts]
     outs, layouts = {}, {}
-    for unroll in (None, False, True):
+    for name, unroll in (("fused", None), ("unfused", None), ("stacked", False),
+                         ("unrolled", True)):
+        if name == "unfused":
+            _unfused(monkeypatch)
         llm = LLM(tiny, block_size=8, num_kv_blocks=64, unroll_layers=unroll)
-        layouts[unroll] = llm.engine.runner.params.layout
+        monkeypatch.undo()
+        layouts[name] = llm.engine.runner.params.layout
         batch = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         alone = llm.generate(prompts[:1], sp, use_tqdm=False)[0].token_ids  # T=2, S=1
-        outs[unroll] = (batch, alone)
-    assert layouts == {None: "per_layer", False: "stacked", True: "fused"}
-    assert outs[None] == outs[False] == outs[True]
-    assert outs[None][1] == outs[None][0][0]
+        outs[name] = (batch, alone)
+    assert layouts == {"fused": "fused", "unfused": "per_layer", "stacked": "stacked",
+                       "unrolled": "fused"}
+    assert outs["fused"] == outs["unfused"] == outs["stacked"] == outs["unrolled"]
+    assert outs["fused"][0] == want and outs["fused"][1] == want[0]
+
+
+def _num_dots(runner) -> int:
+    rows = synthetic_rows([[1] * 9], [[1, 2]], [1])
+    return len(re.findall(r" dot\(", compile_step(runner, rows).as_text()))
+
+
+def test_fused_scan_runs_four_matmuls_per_layer(tiny, monkeypatch):
+    fused = LLM(tiny, block_size=8, num_kv_blocks=32).engine.runner
+    _unfused(monkeypatch)
+    unfused = LLM(tiny, block_size=8, num_kv_blocks=32).engine.runner
+    lp = fused.params.layers[0]
+    assert lp.wk is None and lp.w_up is None and lp.wq.shape[1] == unfused.params.layers[0].wq \
+        .shape[1] + 2 * unfused.params.layers[0].wk.shape[1]
+    # each layer's branch: Q/K/V and gate/up one dot each, where the unfused run five
+    assert _num_dots(unfused) - _num_dots(fused) == tiny.config.num_layers * 3
 
 
 def _weight_copies(runner) -> list[str]:
@@ -58,7 +91,7 @@ def test_scanned_layer_buffers_copy_no_layer_weights(tiny):
     stacked = LLM(tiny, block_size=8, num_kv_blocks=32, unroll_layers=False).engine.runner
     assert _weight_copies(stacked)  # (the check sees the stacked scan's copies)
     runner = LLM(tiny, block_size=8, num_kv_blocks=32).engine.runner
-    assert runner.params.layout == "per_layer"
+    assert runner.params.layout == "fused"
     assert _weight_copies(runner) == []
 
 

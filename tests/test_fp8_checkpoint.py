@@ -82,10 +82,16 @@ def test_fp8_checkpoint_loads_dequantised_and_serves_in_fp8(scheme, tmp_path):
 
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=16,
               attention_backend="xla")
-    layers = llm.engine.runner.params.layers  # (per layer on the CPU, else stacked)
-    wk = layers[1].wk if isinstance(layers, tuple) else layers.wk
-    assert isinstance(wk, Fp8Weight)  # served in fp8 without quantization="fp8"
-    w8_1, scale_1 = (wk.w8, wk.scale) if isinstance(layers, tuple) else (wk.w8[1], wk.scale[1])
+    layers = llm.engine.runner.params.layers  # (per layer, fused, on the CPU; else stacked)
+    if isinstance(layers, tuple):  # K's columns of layer 1's fused [wq | wk | wv]
+        hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        wk = layers[1].wq
+        assert isinstance(wk, Fp8Weight)  # served in fp8 without quantization="fp8"
+        w8_1, scale_1 = wk.w8[hd : hd + kd], wk.scale[hd : hd + kd]  # (w8 [out, in])
+    else:
+        wk = layers.wk
+        assert isinstance(wk, Fp8Weight)
+        w8_1, scale_1 = wk.w8[1], wk.scale[1]
     if scheme == "channel":  # per-channel: the checkpoint's own fp8 values and scales
         np.testing.assert_array_equal(np.asarray(w8_1).astype(np.float32), w8.float().numpy())
         np.testing.assert_allclose(np.asarray(scale_1), scale[:, 0].numpy(), rtol=1e-6)

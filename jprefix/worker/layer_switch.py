@@ -13,6 +13,12 @@ stand-ins (the layer index and the field's name, which the scan slices like any 
 leaf), and `switched_linear` resolves a stand-in inside the body with `lax.switch` over
 the L buffers of that field: each branch is one matmul reading its layer's own buffer,
 so nothing is copied. The small per-layer arrays (norms, biases) are stacked per step.
+
+On the CPU the buffers are fused by default (layout "fused": Q/K/V one matrix, gate/up
+one): a decode step's matmuls are bound by the weights' memory traffic, XLA:CPU spreads
+one dot over both cores when the second one is free, and four larger dots per layer
+keep them busier than seven (docs/PERF.md, the CPU). The scan hands `forward` "stacked"
+params whose `wk` is None, which it runs fused (`models.llama.is_fused`).
 """
 
 from __future__ import annotations
@@ -41,25 +47,33 @@ class LayerWeight:
 
 def layer_loop(params: Params, linear: LinearFn, backend: str, mesh: Mesh | None
                ) -> tuple[Params, LinearFn]:
-    """The params and linear the step hands `forward`: per-layer (unfused) buffers on the
-    XLA backend on one device (`worker.params.prepare_params` makes them so on the CPU)
-    as `scan_params` and `switched_linear`; anything else as it is (a mixture of experts
-    too: its expert stacks reach the grouped matmul, not `linear`, so they run unrolled)."""
-    if (params.layout == "per_layer" and backend == "xla" and mesh is None
+    """The params and linear the step hands `forward`: per-layer buffers on the XLA
+    backend on one device (unfused, or fused on the CPU; `worker.params.prepare_params`
+    makes them so there) as `scan_params` and `switched_linear`; anything else as it is
+    (a mixture of experts too: its expert stacks reach the grouped matmul, not `linear`,
+    so they run unrolled)."""
+    if (_scanned(params.layout) and backend == "xla" and mesh is None
             and params.layers[0].router is None):
         return scan_params(params), switched_linear(linear, params.layers)
     return params, linear
 
 
+def _scanned(layout: str) -> bool:
+    """Per-layer unfused buffers (only the CPU makes them) and, on the CPU, fused ones
+    (the GPU's fused buffers run unrolled: no while loop's host round trip per layer)."""
+    return layout == "per_layer" or (layout == "fused" and jax.default_backend() == "cpu")
+
+
 def scan_params(params: Params) -> Params:
-    """`params` (layout "per_layer", L layers) as layout "stacked": norms and biases
-    stacked [L, ...], each matmul weight a `LayerWeight` over the L layers."""
+    """`params` (layout "per_layer" or "fused", L layers) as layout "stacked": norms and
+    biases stacked [L, ...], each matmul weight a `LayerWeight` over the L layers (None
+    where the layers have none: the parts fused into another field)."""
     layers = params.layers
     index = jnp.arange(len(layers), dtype=jnp.int32)
     fields = {}
     for f in dataclasses.fields(LayerParams):
         values = [getattr(lp, f.name) for lp in layers]
-        if f.name in MATMUL_FIELDS:
+        if f.name in MATMUL_FIELDS and values[0] is not None:
             fields[f.name] = LayerWeight(index, f.name)
         else:
             fields[f.name] = None if values[0] is None else jnp.stack(values)

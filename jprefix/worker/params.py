@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jprefix.worker.kv_cache import check_fp8_device
 from jprefix.worker.parallel import replicate_kv_heads, shard_params, tp_config
 from models.config import ModelConfig
-from models.layout import fuse_projections, quantize_linears, unstack_layers
+from models.layout import FUSED_FIELDS, fuse_projections, quantize_linears, unstack_layers
 from models.llama import LayerParams, Params
 
 
@@ -26,8 +26,9 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     the config the step then runs); on GPU (or with `unroll_layers`) split into per-layer
     buffers (no per-layer weight copy in the step), with Q/K/V and gate/up fused into one
     matmul each (layout "fused"; per shard under a mesh, `Params.shards`); on the CPU by
-    default (`unroll_layers` None, one device) per-layer unfused buffers (layout
-    "per_layer"), which the step scans (`worker.layer_switch`). Idempotent.
+    default (`unroll_layers` None, one device) per-layer buffers, fused likewise (layout
+    "fused"; a mixture of experts' unfused, "per_layer"), which the step scans
+    (`worker.layer_switch`). Idempotent.
     `donate`: the caller hands the weights over, so the input buffers the result does
     not reuse are freed at once (one copy of the weights on the device, not two, before
     the KV cache is sized). `quantization="fp8"`: the linear layers' weights quantised to
@@ -36,8 +37,9 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     gpu = jax.default_backend() == "gpu"
     if unroll_layers is None and not gpu and mesh is None and params.layout == "stacked":
         # CPU: per-layer buffers scanned, each matmul reading its layer's own buffer
-        # (`worker.layer_switch`): no per-step weight copy, one compiled layer
-        params = _unstack_in_host_memory(params)
+        # (`worker.layer_switch`): no per-step weight copy, one compiled layer; Q/K/V and
+        # gate/up fused (fewer, larger dots), except a mixture of experts' (unrolled)
+        params = _unstack_in_host_memory(params, fuse=params.layers.router is None)
     if unroll_layers is None:  # GPU: unrolled (fused); CPU: under lax.scan
         unroll_layers = gpu
     given = params
@@ -71,23 +73,28 @@ def prepare_params(params: Any, cfg: ModelConfig, mesh: Mesh | None = None,
     return params
 
 
-def _unstack_in_host_memory(params: Params) -> Params:
-    """`layout.unstack_layers` (layout "per_layer") for weights in host memory (the CPU
-    device, one device): each layer's slice copied by NumPy into its own buffer, where
-    the jitted split compiles a program per field shape (seconds at start-up)."""
+def _unstack_in_host_memory(params: Params, fuse: bool = False) -> Params:
+    """`layout.unstack_layers(params, fuse)` (layout "per_layer", or "fused") for weights
+    in host memory (the CPU device, one device): each layer's slice (or concatenation of
+    slices) copied by NumPy into its own buffer, where the jitted split compiles a program
+    per field shape (seconds at start-up)."""
     stacked = params.layers
     num_layers = stacked.attn_norm.shape[0]
+    groups = FUSED_FIELDS if fuse else {}
+    fused_away = {name for names in groups.values() for name in names[1:]}
 
-    def split(x: jax.Array | None) -> list[jax.Array | None]:
-        if x is None:
+    def split(name: str) -> list[jax.Array | None]:
+        parts = [getattr(stacked, n) for n in groups.get(name, (name,))]
+        if name in fused_away or parts[0] is None:
             return [None] * num_layers
-        host = np.asarray(x)
-        return [jax.device_put(np.array(host[i]), x.sharding) for i in range(num_layers)]
+        hosts = [np.asarray(x) for x in parts]
+        return [jax.device_put(np.concatenate([h[i] for h in hosts], axis=-1), parts[0].sharding)
+                for i in range(num_layers)]
 
-    fields = {f.name: split(getattr(stacked, f.name)) for f in dataclasses.fields(LayerParams)}
+    fields = {f.name: split(f.name) for f in dataclasses.fields(LayerParams)}
     layers = tuple(LayerParams(**{name: col[i] for name, col in fields.items()})
                    for i in range(num_layers))
-    return dataclasses.replace(params, layers=layers, layout="per_layer")
+    return dataclasses.replace(params, layers=layers, layout="fused" if fuse else "per_layer")
 
 
 def settle(params: Any) -> None:
