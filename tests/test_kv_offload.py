@@ -82,18 +82,24 @@ def _cache(fp8: bool):
     return kq, vq, ks, vs
 
 
+@pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_blocks_saved_and_brought_back_are_bitwise_equal(fp8):
+def test_blocks_saved_and_brought_back_are_bitwise_equal(fp8, pinned, monkeypatch):
     import jax.numpy as jnp
 
+    from jprefix.worker import offload
+
+    if not pinned:  # the pageable pool (no pinned memory kind, or tensor parallelism)
+        monkeypatch.setattr(offload, "pinned_works", lambda *a: False)
     runner = StubRunner(tuple(jnp.asarray(c) for c in _cache(fp8)))
     before = [np.asarray(c).copy() for c in runner.kv_cache]
     off = KVOffloader(runner, 4)
+    assert off.pinned == pinned  # (the CPU offers pinned_host memory too)
     off.after_step(off.move([(3, 0), (5, 2), (7, 1)], []))  # saves, then nothing to load
     off.flush()
     for h, c in zip(off.host, before, strict=True):
         for block, slot in [(3, 0), (5, 2), (7, 1)]:
-            assert h[slot].tobytes() == c[:, :, block].tobytes()
+            assert h.rows([slot])[0].tobytes() == c[:, :, block].tobytes()
     off.after_step(off.move([], [(0, 1), (2, 2), (1, 4)]))  # into other blocks
     for c, b in zip(runner.kv_cache, before, strict=True):
         c = np.asarray(c)

@@ -1,23 +1,26 @@
 """KVOffloader: the bytes of the prefix cache's host tier (the worker side of
 `jprefix.core.host_pool`, which decides what moves where).
 
-The host pool is one numpy array per cache component (K, V and, for fp8, their scales),
-`[N_host, L, K, B, D]` (scales `[N_host, L, K, B]`): block-major, so one host block holds
-all layers contiguously and a save or load of a block is one contiguous row on the host.
-The device cache stays `[L, K, N, B, D]`; each step's moves are one gather (saves) or one
-scatter (loads) per component over all of that step's blocks, padded to a power of two
-(padding reads and writes the null block 0), so compiles stay bounded.
+The host pool is one `HostRows` per cache component (K, V and, for fp8, their scales) of
+`[N_host, L, K, B, D]` rows (scales `[N_host, L, K, B]`): block-major, so one host block
+holds all layers contiguously and a save or load of a block is one contiguous row on the
+host; the rows live in the device's pinned host memory where it offers that memory kind
+on one device (`jprefix.worker.host_rows`). The device cache stays `[L, K, N, B, D]`; each
+step's moves are one gather (saves) or one scatter (loads) per component over all of that
+step's blocks, padded to a power of two (padding reads and writes the null block 0), so
+compiles stay bounded.
 
-Never on the critical path: every move is queued on the runner's launch thread in
-dispatch order (`ModelRunner.update_kv_cache`), so nothing on the host waits for the
-device. Saves gather before the step (it may reuse the blocks) into `pinned_host` memory
-where the device offers that memory kind (a DMA the device runs asynchronously; JAX
-cannot update a pinned host buffer in place, so the host pool itself is pageable numpy),
-and a writer thread copies the bytes into the pool (off the engine's thread; a load or a
-save to disk of a slot still being written waits for it). Loads are put
-on the device as soon as they are decided and scattered into the cache after the step,
-which the sequence waits for in the scheduler. Under tensor parallelism the gather and
-scatter run under the cache's sharding: each device moves its own kv heads.
+Never on the critical path: every device-side move is queued on the runner's launch
+thread in dispatch order (`ModelRunner.update_kv_cache`), and every host-side copy runs on
+a thread of its own. Saves gather before the step (it may reuse the blocks) into pinned
+memory (a DMA the device runs asynchronously) and a writer thread copies the rows into the
+pool. Loads are gathered on a loader thread into pinned staging arrays (one per padded load
+size, reused once their last copy has finished; outside the tier's size, bounded by the
+largest step's loads), put on the device from there (one DMA per component) and scattered
+into the cache after the step; the sequence waits in the scheduler meanwhile, and a load
+reading a slot whose save is still being written waits for it on the loader thread.
+Under tensor parallelism the gather and scatter run under the cache's sharding (each
+device moves its own kv heads) and the pool is pageable NumPy.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jprefix.worker.host_rows import HostRows, pinned_array, pinned_works
 
 KVCache = tuple[jax.Array, ...]
 
@@ -82,15 +87,24 @@ class KVOffloader:
         cache = runner.kv_cache
         self.runner = runner
         self.num_slots = num_slots
-        self.host = tuple(np.zeros((num_slots, c.shape[0], c.shape[1], *c.shape[3:]), c.dtype)
-                          for c in cache)
-        self.block_bytes = sum(h[0].nbytes for h in self.host)
         self._device_shardings = tuple(_moved_sharding(c.sharding) for c in cache)
         self._host_shardings = tuple(_pinned(s) for s in self._device_shardings)
+        one_device = all(len(c.sharding.device_set) == 1 for c in cache)
+        pinned = (self._host_shardings[0] if one_device and pinned_works(
+            self._host_shardings[0], self._device_shardings[0]) else None)
+        self.pinned = pinned is not None
+        self.host = tuple(HostRows(num_slots, (c.shape[0], c.shape[1], *c.shape[3:]), c.dtype,
+                                   pinned) for c in cache)
+        self.block_bytes = sum(int(np.prod(h.row_shape)) * h.dtype.itemsize for h in self.host)
         # saves being written into the host pool: (their slots, the writer's future)
         self._writes: deque[tuple[set[int], concurrent.futures.Future]] = deque()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jprefix-offload")
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, "jprefix-onload")
         weakref.finalize(self, self._writer.shutdown, wait=False)
+        weakref.finalize(self, self._loader.shutdown, wait=False)
+        # per padded load size: pinned staging arrays, their views, the last copy out
+        self._staging: dict[int, tuple[tuple[jax.Array, ...], tuple[np.ndarray, ...]]] = {}
+        self._staged_last: dict[int, Any] = {}
         self.stats = OffloadStats()
 
     @staticmethod
@@ -104,24 +118,27 @@ class KVOffloader:
         return int(size_gib * 2**30) // KVOffloader.block_bytes_of(runner)
 
     def move(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> Any:
-        """Queues a step's saves (block, slot) now and returns the loads' scatter, to be
-        queued after the step (`after_step`). Waits only when a load reads a slot whose
-        save is still being written (evicted and matched again within a step or two)."""
+        """Queues a step's saves (block, slot) now and starts its loads' host -> device
+        copies on the loader thread; returns what `after_step` scatters after the step.
+        Nothing here waits: a load that reads a slot whose save is still being written
+        waits for that write on the loader thread."""
         while self._writes and self._writes[0][1].done():
             self._writes.popleft()[1].result()  # (raises a failed write's error)
         if saves:
             self._queue_saves(saves)
         if not loads:
             return None
-        if any(slot in slots for slots, _ in self._writes for slot, _ in loads):
-            self.flush()
-        return self._stage_loads(loads)
+        slots = {slot for slot, _ in loads}
+        pending = [f for written, f in self._writes if written & slots]
+        return self._stage_loads(loads, pending)
 
     def after_step(self, staged: Any) -> None:
+        """Queues the loads' scatter on the launch thread, after the step (which waits
+        there for the loader thread's copies, not on the engine thread)."""
         if staged is None:
             return
         blocks, data = staged
-        self.runner.update_kv_cache(lambda cache: scatter_blocks(cache, blocks, data))
+        self.runner.update_kv_cache(lambda cache: scatter_blocks(cache, blocks, data.result()))
 
     def _queue_saves(self, saves: list[tuple[int, int]]) -> None:
         """The gather goes on the launch thread (before the step); the bytes are written
@@ -150,7 +167,7 @@ class KVOffloader:
             data = gathered.result()
             t0 = time.perf_counter()
             for h, x in zip(self.host, data, strict=True):
-                h[slots] = np.asarray(x)[:len(slots)]
+                h.write_from(slots, np.asarray(x))
             self.stats.save_copy_s += time.perf_counter() - t0
 
         self.runner.update_kv_cache(gather)
@@ -162,29 +179,52 @@ class KVOffloader:
         while self._writes:
             self._writes.popleft()[1].result()
 
-    def _stage_loads(self, loads: list[tuple[int, int]]) -> tuple[np.ndarray, KVCache]:
-        t0 = time.perf_counter()
+    def _stage_loads(self, loads: list[tuple[int, int]], pending: list[Any]
+                     ) -> tuple[np.ndarray, concurrent.futures.Future]:
         n = _padded(len(loads))
         slots = np.array([s for s, _ in loads] + [loads[0][0]] * (n - len(loads)), np.int64)
         blocks = np.zeros(n, np.int32)  # padding rewrites the null block
         blocks[:len(loads)] = [b for _, b in loads]
-        data = tuple(jax.device_put(h[slots], s)
-                     for h, s in zip(self.host, self._device_shardings, strict=True))
-        self.stats.load_copy_s += time.perf_counter() - t0
         self.stats.bytes_to_device += len(loads) * self.block_bytes
-        return blocks, data
+        return blocks, self._loader.submit(self._load, slots, pending)
+
+    def _load(self, slots: np.ndarray, pending: list[Any]) -> KVCache:
+        """(loader thread) The host rows `slots` on the device, one copy per component:
+        gathered into pinned staging arrays (reused per size once their last copy is
+        done) and put on the device from there, or put from NumPy without pinned memory."""
+        for f in pending:
+            f.result()
+        t0 = time.perf_counter()
+        n = len(slots)
+        if not self.pinned:
+            data = tuple(jax.device_put(h.rows(slots), s)
+                         for h, s in zip(self.host, self._device_shardings, strict=True))
+        else:
+            if n not in self._staging:
+                self._staging[n] = tuple(zip(*(pinned_array((n, *h.row_shape), h.dtype, p)
+                                               for h, p in zip(self.host, self._host_shardings,
+                                                               strict=True)), strict=True))
+            arrays, views = self._staging[n]
+            if n in self._staged_last:  # its previous copy must have read the staging
+                jax.block_until_ready(self._staged_last[n])
+            for h, v in zip(self.host, views, strict=True):
+                h.read_into(slots, v)
+            data = tuple(jax.device_put(a, s)
+                         for a, s in zip(arrays, self._device_shardings, strict=True))
+            self._staged_last[n] = data
+        self.stats.load_copy_s += time.perf_counter() - t0
+        return data
 
     def read(self, slots: list[int]) -> tuple[np.ndarray, ...]:
         """The host pool's rows for slots (a save to disk), pending saves applied first."""
         self.flush()
-        return tuple(h[slots] for h in self.host)
+        return tuple(h.rows(slots) for h in self.host)
 
     def write(self, slots: list[int], data: tuple[np.ndarray, ...]) -> None:
         """Fills host slots (a load from disk)."""
         self.flush()
         for h, d in zip(self.host, data, strict=True):
-            h[slots] = d
-
+            h.write_from(np.asarray(slots, np.int64), d)
 
 
 def read_blocks(runner: Any, blocks: list[int]) -> tuple[np.ndarray, ...]:

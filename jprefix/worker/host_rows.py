@@ -1,0 +1,128 @@
+"""HostRows: the host tier's block storage, in the device's pinned host memory where it
+offers that memory kind, with copies spread over host threads.
+
+Why pinned: a host -> device copy from pageable memory goes through the driver's bounce
+buffers at a fifth of what the link carries, and a copy into pageable memory is slower
+still (docs/PERF.md, the host tier). JAX allocates pinned memory (`pinned_host` memory
+kind) but treats arrays as immutable, so each pinned array here is written through a
+NumPy view of its buffer (`unsafe_buffer_pointer`): the array only keeps the memory
+alive, and nothing in JAX reads it while a view writes (the owner orders copies).
+
+Rows are `[row_shape]` blocks (all layers of one cache component), stored in chunks of
+about `chunk_bytes` allocated on first use, so an unused tier costs no memory and no
+start-up time. Where pinned memory is absent (or under tensor parallelism, whose loads
+land sharded over several devices) the chunks are plain NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import os
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+_COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def pinned_array(shape: tuple[int, ...], dtype: Any, sharding: Any
+                 ) -> tuple[jax.Array, np.ndarray]:
+    """A pinned host array and a writable NumPy view of its buffer."""
+    arr = jax.device_put(np.zeros(shape, dtype), sharding)
+    arr.block_until_ready()
+    buf = (ctypes.c_ubyte * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
+    return arr, np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+
+
+def pinned_works(sharding: Any, device_sharding: Any) -> bool:
+    """Whether a write through a pinned array's view reaches the device (else: pageable)."""
+    if sharding is None:
+        return False
+    try:
+        arr, view = pinned_array((4, 8), np.float32, sharding)
+        view[2] = 7.0
+        back = np.asarray(jax.device_put(arr, device_sharding))
+        return bool((back[2] == 7.0).all() and (back[[0, 1, 3]] == 0).all())
+    except Exception:  # noqa: BLE001 (any failure means: use pageable memory)
+        return False
+
+
+class HostRows:
+    """`num_rows` rows of `row_shape`/`dtype`; `pinned` is the pinned-host sharding to
+    allocate chunks with, or None for NumPy chunks. Thread-safe for disjoint rows."""
+
+    def __init__(self, num_rows: int, row_shape: tuple[int, ...], dtype: Any,
+                 pinned: Any = None, chunk_bytes: int = 1 << 30):
+        self.row_shape, self.dtype, self.pinned = tuple(row_shape), np.dtype(dtype), pinned
+        row_bytes = max(1, int(np.prod(self.row_shape)) * self.dtype.itemsize)
+        self.per_chunk = max(1, min(num_rows, chunk_bytes // row_bytes))
+        self.num_rows = num_rows
+        self._chunks: list[np.ndarray | None] = [None] * -(-num_rows // self.per_chunk)
+        self._keep: list[jax.Array] = []  # the pinned arrays behind the views
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all rows (allocated or not): the most this storage holds."""
+        return self.num_rows * int(np.prod(self.row_shape)) * self.dtype.itemsize
+
+    def _chunk(self, c: int) -> np.ndarray:
+        chunk = self._chunks[c]
+        if chunk is None:
+            with self._lock:
+                chunk = self._chunks[c]
+                if chunk is None:
+                    rows = min(self.per_chunk, self.num_rows - c * self.per_chunk)
+                    shape = (rows, *self.row_shape)
+                    if self.pinned is None:
+                        chunk = np.zeros(shape, self.dtype)
+                    else:
+                        arr, chunk = pinned_array(shape, self.dtype, self.pinned)
+                        self._keep.append(arr)
+                    self._chunks[c] = chunk
+        return chunk
+
+    def _row(self, slot: int) -> np.ndarray:
+        return self._chunk(slot // self.per_chunk)[slot % self.per_chunk]
+
+    def read_into(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """out[i] = row slots[i], for i < len(slots)."""
+        def copy(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                out[i] = self._row(int(slots[i]))
+        _spread(copy, len(slots))
+
+    def write_from(self, slots: np.ndarray, data: np.ndarray) -> None:
+        """Row slots[i] = data[i]."""
+        def copy(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                self._row(int(slots[i]))[...] = data[i]
+        _spread(copy, len(slots))
+
+    def rows(self, slots: list[int] | np.ndarray) -> np.ndarray:
+        """A new NumPy array of rows slots."""
+        slots = np.asarray(slots, np.int64)
+        out = np.empty((len(slots), *self.row_shape), self.dtype)
+        self.read_into(slots, out)
+        return out
+
+
+_copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, "jprefix-host-copy")
+
+
+def _spread(copy: Any, n: int) -> None:
+    """Runs copy(lo, hi) over [0, n) in up to _COPY_THREADS ranges (NumPy releases the
+    GIL for these copies, so they run side by side)."""
+    parts = min(_COPY_THREADS, n)
+    if parts <= 1:
+        copy(0, n)
+        return
+    bounds = [n * i // parts for i in range(parts + 1)]
+    for f in [_copier.submit(copy, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]:
+        f.result()
