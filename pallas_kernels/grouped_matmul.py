@@ -21,8 +21,10 @@ axis with the column tiles fastest: the programs running together then share x's
 (read once from DRAM, block_n columns at a time from L2) and a group's weight columns.
 
 Decode-size steps (a few rows per expert) are bound by reading the touched experts'
-weights: a 16-row tile (the smallest dot) and narrow column tiles, so enough programs
-stream the weights. Prefill-size steps (hundreds of rows per expert) are a GEMM: 64-128
+weights: 16- or 32-row tiles and narrow column tiles, so enough programs stream the
+weights. The row tile is sized for the fullest group, not the mean one (1.5x the mean
+rows per touched group): a group one row over its tile takes a second tile that reads
+the group's weights again. Prefill-size steps (hundreds of rows per expert) are a GEMM: 64-128
 row tiles (`gmm_tiling`).
 
 fp8 weights (`scale` given): w is float8_e4m3fn [G, N, K] (K-major, `models.fp8_linear`'s
@@ -72,9 +74,9 @@ def gmm_tiling(rows: int, k: int, n: int, num_groups: int, *, fp8: bool = False,
     per regime (module docstring); None where the kernel cannot take the shape (K or N
     not a multiple of 16)."""
     per_group = -(-rows // max(1, min(num_groups, rows)))  # rows per touched group
-    block_m = min(128, max(16, next_pow2(per_group)))
+    block_m = min(128, max(16, next_pow2(per_group + per_group // 2)))
     f32 = jnp.dtype(dtype) == jnp.float32
-    if block_m == 16:  # weight-bound: narrow columns, many programs to stream them
+    if block_m <= 32:  # weight-bound: narrow columns, many programs to stream them
         programs = min(num_groups, rows)
         block_n = next((b for b in (128, 64, 32) if n % b == 0 and programs * n // b >= 264),
                        _divisor(n, (32, 16)))
