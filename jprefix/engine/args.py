@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jprefix.core.routing import parse_routing_policy
+from jprefix.core.spec_config import SpeculativeConfig
 from jprefix.engine.kv_events import parse_config as parse_kv_events
 
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -108,6 +109,9 @@ class EngineArgs:
     prefix_cache_path: str | None = None
     # vLLM's KVEventsConfig as JSON (jprefix.engine.kv_events): KV cache events over ZMQ
     kv_events_config: str | None = None
+    # vLLM's speculative_config (a dict, its JSON, or a `core.spec_config.SpeculativeConfig`;
+    # parsed into the latter): method "ngram" proposes by prompt lookup. None: off
+    speculative_config: Any = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -133,6 +137,7 @@ class EngineArgs:
             raise ValueError(f"distributed_timeout_s must be >= 1, got "
                              f"{self.distributed_timeout_s}")
         parse_kv_events(self.kv_events_config)  # ValueError naming a bad config
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not self.kv_offloading_size >= 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got "
                              f"{self.kv_offloading_size}")

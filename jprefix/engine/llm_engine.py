@@ -22,6 +22,7 @@ from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
+from jprefix.core.spec_decode import Speculator
 from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.front import EngineFront
@@ -31,8 +32,10 @@ from jprefix.engine.kv_events import parse_config as parse_kv_events
 from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
+from jprefix.engine.spec_stats import SpecDecodingStats, apply_verified
 from jprefix.engine.stats import EngineStats, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
+from jprefix.worker.spec_verify import fetch_verified
 from jprefix.worker.step_handle import StepHandle
 from models.loader import LoadedModel
 
@@ -62,6 +65,10 @@ class LLMEngine(EngineFront):
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
                                                runner.num_blocks)
         self.kv_tier = self._make_kv_tier()
+        spec = self.args.speculative_config
+        self.speculator = None if spec is None else Speculator(spec)
+        # proposals need the previous step's tokens on the host: no step in flight
+        self._async = self.args.async_scheduling and self.speculator is None
         self.scheduler = self._make_scheduler(runner.num_blocks)
         if self.args.prefix_cache_path is not None:
             self.kv_tier.load_file(self.args.prefix_cache_path, prefix_cache_file.identity(self))
@@ -72,6 +79,7 @@ class LLMEngine(EngineFront):
         self.structured = StructuredOutputManager(model.tokenizer, cfg.vocab_size,
                                                   tuple(cfg.eos_token_ids))
         self.stats = EngineStats()
+        self.stats.spec = SpecDecodingStats(0 if spec is None else spec.num_speculative_tokens)
         self.cascade_planner = CascadePlanner(
             self.args.block_size, self.scheduler.block_manager.ref_count,
             self.args.cascade_min_group, self.args.cascade_min_blocks)
@@ -98,7 +106,8 @@ class LLMEngine(EngineFront):
         blocks = BlockManager(num_blocks, self.args.block_size)
         host = None if self.kv_tier is None else self.kv_tier.pool
         return Scheduler(cfg, blocks, PrefixPool(blocks, host),
-                         sliding_window=self.model.config.uniform_sliding_window)
+                         sliding_window=self.model.config.uniform_sliding_window,
+                         speculator=self.speculator)
 
     def _make_kv_tier(self) -> KVTier | None:
         """The host tier (kv_offloading_size, or the blocks of prefix_cache_path)."""
@@ -177,7 +186,7 @@ class LLMEngine(EngineFront):
                           if masks_later else self.runner.dispatch(
                               out.scheduled, plan, self.structured.bitmasks(out.scheduled)))
                 launched = _InFlight(out, handle, t0, time.perf_counter())
-            if self.args.async_scheduling:
+            if self._async:
                 done, self._inflight = self._inflight, launched
             else:
                 done = launched
@@ -206,7 +215,7 @@ class LLMEngine(EngineFront):
         a structured request's token, which the request's next mask needs): the runner
         then runs the next step's model while the host processes the step in flight and
         fills the masks, and samples once they are there (`ModelRunner.sample`)."""
-        return (self._inflight is not None and self.args.async_scheduling
+        return (self._inflight is not None and self._async
                 and getattr(self.runner, "can_mask_later", False)
                 and self.structured.needs_sync())
 
@@ -233,6 +242,10 @@ class LLMEngine(EngineFront):
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
         tokens = tokens.tolist()
+        if self.speculator is not None and (verified := fetch_verified(
+                done.handle, self.speculator.k)) is not None:
+            tokens, extra = apply_verified(done.out.scheduled, tokens, verified, self.stats.spec)
+            self.stats.generation_tokens += extra
         finished = self.scheduler.update(done.out, tokens)
         positions = getattr(done.handle, "prompt_positions", None)
         if positions is not None:  # (an extra step: logits processing or logprobs)

@@ -65,6 +65,8 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
         kv_cache_dtype=args.kv_cache_dtype,
         # an fp8 checkpoint, loaded dequantised, is served in fp8 (models.config)
         quantization=args.quantization or cfg.checkpoint_quantization,
+        num_speculative_tokens=(0 if args.speculative_config is None
+                                else args.speculative_config.num_speculative_tokens),
     )
     if multi:  # processes other than 0 follow process 0's steps here, then exit
         multihost.start(runner)

@@ -15,6 +15,7 @@ from typing import Any
 
 from jprefix.core.scheduler import SchedulerOutput
 from jprefix.core.sequence import Sequence
+from jprefix.engine.spec_stats import SpecDecodingStats
 
 # vLLM's bucket bounds (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -63,6 +64,7 @@ class EngineStats:
         self.e2e = Histogram(E2E_BUCKETS)
         # request id -> when its latest token was sampled (host clock), while it runs
         self._last_token: dict[str, float] = {}
+        self.spec = SpecDecodingStats()  # speculative decoding (`spec_stats`)
 
     @classmethod
     def merged(cls, parts: Iterable[EngineStats]) -> EngineStats:
@@ -74,6 +76,7 @@ class EngineStats:
             out.generation_tokens += part.generation_tokens
             out.num_preemptions += part.num_preemptions
             out.finished.update(part.finished)
+            out.spec.add(part.spec)
             for name in ("ttft", "itl", "e2e"):
                 mine, theirs = getattr(out, name), getattr(part, name)
                 mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts, strict=True)]

@@ -55,6 +55,7 @@ class ModelRunner:
         multi_process: bool = False,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        num_speculative_tokens: int = 0,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -68,7 +69,7 @@ class ModelRunner:
         running it (`channel`); the others run `multihost.follow(runner)`.
         `kv_cache_dtype` ("auto": `model_dtype`, else an fp8 format) picks the cache's
         format (`worker.kv_cache`); the block count from memory counts its bytes.
-        `quantization`: see `prepare_params`."""
+        `quantization`: see `prepare_params`; `num_speculative_tokens`: a verify step's K."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -111,7 +112,8 @@ class ModelRunner:
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
             cfg, num_blocks, block_size, self.kv_dtype, home if mesh is None else
             kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype))
-        self.packer = StepPacker(block_size, self.buckets)
+        self.packer = StepPacker(block_size, self.buckets,
+                                 num_speculative_tokens=num_speculative_tokens)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "jprefix-launch")
@@ -210,7 +212,8 @@ class ModelRunner:
         if later is not None:
             later.forward = self._last_launch
         return StepHandle(self._last_launch if later is None else later.result, len(rows),
-                          order, positions if kind.extra else None, later)
+                          order, positions if kind.extra else None, later, self.max_rows if
+                          "spec_idx" in batch else None)
 
     def update_kv_cache(self, fn: Any) -> None:
         """Queues `fn(cache) -> cache` on the launch thread after the steps dispatched so
@@ -266,7 +269,7 @@ class ModelRunner:
             layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
             greedy=greedy, cascade=cascade, mesh=self.mesh, extra=extra,
             kv_format=self.kv_format)
-        self._last_tokens = tokens
+        self._last_tokens = tokens if len(tokens) == self.max_rows else tokens[: self.max_rows]
         return tokens, (logprobs[0] if logprobs else None)
 
     def stop_followers(self) -> None:

@@ -1,0 +1,97 @@
+"""Speculative decoding in the engine (n-gram, greedy verification): outputs equal to
+speculation off across prefix-cache modes, k, preemption and batches mixing speculating
+rows with sampled, logprobs and penalised ones; blocks balance; metrics are consistent."""
+
+import numpy as np
+import pytest
+
+import jprefix
+from jprefix import LLM, SamplingParams
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return jprefix.load("tiny-llama", dtype="float32", load_format="dummy")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    """Prompts that repeat themselves (so prompt lookup proposes) with distinct tails."""
+    rng = np.random.default_rng(1)
+    V = tiny.config.vocab_size
+    base = rng.integers(3, V, 12).tolist()
+    return [base * 3 + rng.integers(3, V, n).tolist() for n in (1, 4, 9, 15)]
+
+
+def _greedy(n=24):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _spec(k):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts):
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128)
+    return [o.token_ids for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
+
+
+def _check_balanced_and_stats(llm):
+    eng = llm.engine
+    bm = eng.scheduler.block_manager
+    bm.check_invariants()
+    eng.scheduler.prefix_pool.check_invariants()
+    assert not eng.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks - 1
+    s = eng.stats.spec
+    assert 0 < s.num_accepted_tokens <= s.num_draft_tokens  # (some drafts were accepted)
+    per_pos = s.accepted_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+    assert sum(per_pos) == s.num_accepted_tokens and per_pos[0] <= s.num_drafts
+
+
+@pytest.mark.parametrize("k,mode", [(1, "auto"), (3, "off"), (3, "explicit"), (5, "auto")])
+def test_greedy_ngram_speculation_equals_speculation_off(tiny, prompts, reference, k, mode):
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128, speculative_config=_spec(k),
+              enable_prefix_caching=mode != "off")
+    prefix = 36 if mode == "explicit" else None
+    for _ in range(2):  # the second round hits the cache the first filled
+        outs = llm.generate(prompts, _greedy(), prefix_pos=prefix, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+    _check_balanced_and_stats(llm)
+
+
+def test_speculation_under_preemption(tiny, prompts, reference):
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=16, speculative_config=_spec(3))
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.stats.num_preemptions > 0
+    _check_balanced_and_stats(llm)
+
+
+def test_mixed_batch_sampled_logprobs_and_penalties_run_unspeculated(tiny, prompts):
+    """Rows that cannot speculate exactly (sampled, logprobs, penalties) share the verify
+    steps with speculating rows; every row's output equals speculation off."""
+    params = [_greedy(), SamplingParams(temperature=0.9, seed=7, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3,
+                             ignore_eos=True)]
+    base = LLM(tiny, block_size=BS, num_kv_blocks=128)
+    spec = LLM(tiny, block_size=BS, num_kv_blocks=128, speculative_config=_spec(3))
+    want = base.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+    assert [list(d) for d in got[2].logprobs] == [list(d) for d in want[2].logprobs]
+    _check_balanced_and_stats(spec)
+    assert spec.engine.stats.spec.num_drafts < 24  # only the greedy row speculated
+
+
+def test_engine_refuses_a_bad_speculative_config(tiny):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(tiny, block_size=BS, num_kv_blocks=32,
+            speculative_config={"method": "ngram", "num_speculative_tokens": -1})
