@@ -71,6 +71,22 @@ def test_speculation_under_preemption(tiny, prompts, reference):
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.stats.num_preemptions > 0
     _check_balanced_and_stats(llm)
+    _check_metrics(llm)
+
+
+def _check_metrics(llm):
+    """/stats and /metrics report the engine's counters under vLLM's names."""
+    from jprefix.entrypoints.metrics import engine_snapshot, metrics_registry, render_metrics
+
+    spec = engine_snapshot(llm)["spec_decode"]
+    stats = llm.engine.stats.spec
+    assert spec["num_draft_tokens"] == stats.num_draft_tokens > 0
+    assert spec["mean_accepted_length"] == 1 + stats.num_accepted_tokens / stats.num_drafts
+    text = render_metrics(metrics_registry(llm, "m")).decode()
+    assert (f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
+            f'{float(stats.num_accepted_tokens)}') in text
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {float(stats.num_drafts)}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
 
 
 def test_mixed_batch_sampled_logprobs_and_penalties_run_unspeculated(tiny, prompts):
