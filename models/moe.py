@@ -15,13 +15,15 @@ several tied experts HF picks is not reproducible; the lowest index is.
 
 The experts run grouped: the A assignments are sorted by expert (a stable sort, so
 tokens keep their order within an expert), each expert's rows form one contiguous group,
-and `grouped_matmul` (the one place that decides how the grouped product runs)
-multiplies each group by its own expert's weight with `jax.lax.ragged_dot`; nothing here
-computes an expert for a token not routed to it. How ragged_dot executes is the
-backend's: jax 0.10 on the CPU, and XLA:GPU unless its cuDNN ragged-dot fusion is on
-(`--xla_gpu_experimental_use_ragged_dot_fusion`, cuDNN >= 9.22), expand it into a masked
-product over every group; jax's Pallas-Triton grouped GEMM takes it where that jax ships
-it (`jax_ragged_dot_use_gpu_pallas_triton_lowering`). The outputs are unsorted by the
+and a grouped matmul multiplies each group by its own expert's weight: `experts` takes
+it as `matmul` (the step injects the Pallas grouped GEMM for its Pallas backends:
+jprefix.worker.step_linear `step_experts`, the one place that chooses), by default
+`grouped_matmul` here, `jax.lax.ragged_dot`; nothing computes an expert for a token not
+routed to it. How ragged_dot executes is the backend's: jax 0.10 on the CPU, and XLA:GPU
+unless its cuDNN ragged-dot fusion is on (`--xla_gpu_experimental_use_ragged_dot_fusion`,
+cuDNN >= 9.22), expand it into a masked product over every group; jax's Pallas-Triton
+grouped GEMM takes it where that jax ships it
+(`jax_ragged_dot_use_gpu_pallas_triton_lowering`). The outputs are unsorted by the
 inverse permutation and summed over k in float32 with the routing weights.
 
 Expert weights are `LayerParams.w_gate` / `w_up` [X, E, F] and `w_down` [X, F, E] (one
@@ -48,6 +50,8 @@ from models.fp8_linear import Fp8Weight
 
 # experts(x [T, E], weights [T, k], ids [T, k], w_gate, w_up | None, w_down) -> [T, E]
 ExpertsFn = Callable[..., jax.Array]
+# matmul(x [A, K] rows grouped, w [X, K, N] | Fp8Weight, group_sizes [X] int32) -> [A, N]
+GroupedMatmulFn = Callable[..., jax.Array]
 
 _GROUPED_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])),  # x [A, K] . w8 [X, N, K] over K
@@ -85,11 +89,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array | Fp8Weight, group_sizes: jax.Arra
 
 
 def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array | Fp8Weight,
-            w_up: jax.Array | Fp8Weight | None, w_down: jax.Array | Fp8Weight
-            ) -> jax.Array:
+            w_up: jax.Array | Fp8Weight | None, w_down: jax.Array | Fp8Weight,
+            matmul: GroupedMatmulFn = grouped_matmul) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, E] in x.dtype, the experts
-    run grouped (module docstring). `w_up` None: `w_gate` holds [gate | up] per expert.
-    Under tensor parallelism, one device's part: its slices of F, a partial sum."""
+    run grouped by `matmul` (`grouped_matmul`'s contract; module docstring). `w_up`
+    None: `w_gate` holds [gate | up] per expert. Under tensor parallelism, one device's
+    part: its slices of F, a partial sum."""
     t, k = ids.shape
     num_experts = w_down.shape[0] if not isinstance(w_down, Fp8Weight) else w_down.w8.shape[0]
     flat = ids.reshape(-1)  # [A], assignment a = token a // k, its (a % k)-th expert
@@ -97,10 +102,10 @@ def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array 
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // k]  # [A, E]
     if w_up is None:
-        gate, up = jnp.split(grouped_matmul(rows, w_gate, group_sizes), 2, axis=-1)
+        gate, up = jnp.split(matmul(rows, w_gate, group_sizes), 2, axis=-1)
     else:
-        gate, up = (grouped_matmul(rows, w, group_sizes) for w in (w_gate, w_up))
-    out = grouped_matmul(jax.nn.silu(gate) * up, w_down, group_sizes)  # [A, E] sorted
+        gate, up = (matmul(rows, w, group_sizes) for w in (w_gate, w_up))
+    out = matmul(jax.nn.silu(gate) * up, w_down, group_sizes)  # [A, E] sorted
     out = out[jnp.argsort(order)].reshape(t, k, -1)  # back to assignment order
     total = jnp.einsum("tke,tk->te", out.astype(jnp.float32), weights.astype(jnp.float32))
     return total.astype(x.dtype)

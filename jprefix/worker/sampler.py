@@ -30,6 +30,27 @@ def sample(
 
 
 def _sample_random(logits, temperature, top_k, top_p, seeds, counters, min_p=None):
+    order, sorted_logits = sorted_sampling_logits(logits, temperature, top_k, top_p, min_p)
+    picked = jax.vmap(jax.random.categorical)(sampling_keys(seeds, counters), sorted_logits)
+    return jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sampling_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
+    """[S] PRNG keys `fold_in(PRNGKey(seed), counter)`: the draw of a request's output
+    token number `counter`, whatever else shares its batch."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+
+
+def sorted_sampling_logits(
+    logits: jax.Array,  # [S, V] float32
+    temperature: jax.Array,  # [S] float32 (0 rows are scaled by 1)
+    top_k: jax.Array,  # [S] int32, -1 = off
+    top_p: jax.Array,  # [S] float32, 1 = off
+    min_p: jax.Array | None = None,  # [S] float32, 0 = off
+) -> tuple[jax.Array, jax.Array]:  # order [S, V] int32, sorted logits [S, V] float32
+    """The distribution a random row samples from, in descending logit order: temperature,
+    then min-p, top-k and top-p (vLLM's order); dropped tokens hold -inf. `order[s, i]` is
+    the token id at sorted index i. (`sample` and the rejection sampler both use it.)"""
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]
     if min_p is not None:
@@ -37,10 +58,21 @@ def _sample_random(logits, temperature, top_k, top_p, seeds, counters, min_p=Non
     order = jnp.argsort(-scaled, axis=-1)  # [S, V] descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     sorted_logits = _mask_top_k(sorted_logits, top_k)
-    sorted_logits = _mask_top_p(sorted_logits, top_p)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
-    picked = jax.vmap(jax.random.categorical)(keys, sorted_logits)  # [S] index into sorted
-    return jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return order, _mask_top_p(sorted_logits, top_p)
+
+
+def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                   top_p: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
+    """[S, V] float32, in vocab order: the probabilities `sample` draws a random row's
+    token with (`sorted_sampling_logits`' softmax); dropped tokens have exactly 0."""
+    return unsorted_probs(*sorted_sampling_logits(logits, temperature, top_k, top_p, min_p))
+
+
+def unsorted_probs(order: jax.Array, sorted_logits: jax.Array) -> jax.Array:
+    """[S, V] the softmax of `sorted_sampling_logits`' result, back in vocab order."""
+    rows = jnp.arange(order.shape[0])[:, None]
+    return jnp.zeros_like(sorted_logits).at[rows, order].set(
+        jax.nn.softmax(sorted_logits, axis=-1))
 
 
 def _mask_top_k(sorted_logits, top_k):

@@ -4,7 +4,8 @@
 tokens: per layer it writes the new K/V into the paged cache at `slot_mapping`, then runs
 paged attention for every sequence (write-then-attend, so blocks written this step by one
 sequence can be read by another in the same step). The cache is donated and updated in
-place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`step_linear`);
+place. The layers' matmuls are XLA's, or `skinny_matmul` on few-row steps (`step_linear`),
+a mixture of experts' the Pallas grouped GEMM with the Pallas backends (`step_experts`);
 the CPU's per-layer buffers run under one scan (`worker.layer_switch`).
 With the Pallas backends and fused projections, one `rope_write_kv` kernel per layer
 rotates Q and K and writes the new K/V (`_qkv_attention`); ALiBi models (no RoPE) take
@@ -36,11 +37,10 @@ from jprefix.worker.parallel import (
     REPLICATED,
     per_shard,
     per_shard_qkv,
-    shard_experts,
 )
 from jprefix.worker.sampler import sample
 from jprefix.worker.spec_verify import greedy_verify
-from jprefix.worker.step_linear import col_linear, step_linear
+from jprefix.worker.step_linear import col_linear, step_experts, step_linear
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
 from models.config import ModelConfig
@@ -231,7 +231,7 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     hidden, kv_cache = forward(layers, cfg, token_ids, batch["positions"], kv_cache, attn_fn,
                                linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
-                               col_linear(backend, mesh), shard_experts(mesh))
+                               col_linear(backend, mesh), step_experts(backend, mesh))
     logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
     verify_logits = (compute_logits(params, cfg, hidden[batch["spec_idx"].reshape(-1)])

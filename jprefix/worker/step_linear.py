@@ -1,15 +1,21 @@
 """The step's linear layers: which matmul runs each projection (XLA's dot, the few-row
-`skinny_matmul` kernel, or the backend table's Mosaic GPU fp8 matmul), per device under
-a mesh."""
+`skinny_matmul` kernel, or the backend table's Mosaic GPU fp8 matmul), and which grouped
+matmul runs a mixture of experts' experts (ragged_dot or the Pallas grouped GEMM), per
+device under a mesh."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 from jax.sharding import Mesh
 
-from jprefix.worker.parallel import shard_columns
+from jprefix.worker.parallel import shard_columns, shard_experts
+from models import moe
 from models.fp8_linear import Fp8Weight, quantize_activations
 from models.llama import LinearFn, dense_linear
 from pallas_kernels import backend as kernel_backend
+from pallas_kernels import grouped_matmul as gmm
 from pallas_kernels.skinny_matmul import (
     SKINNY_MIN_PROGRAMS,
     fp8_tiling,
@@ -59,3 +65,33 @@ def col_linear(backend: str, mesh: Mesh | None) -> LinearFn | None:
     choice per device on its columns (`parallel.shard_columns`); None (= `step_linear`)
     without one."""
     return None if mesh is None else shard_columns(step_linear(backend, None), mesh)
+
+
+def step_experts(backend: str, mesh: Mesh | None) -> moe.ExpertsFn | None:
+    """A mixture of experts' `experts_fn`: `models.moe.experts` with its grouped matmuls
+    on XLA's ragged_dot ("xla") or the Pallas grouped GEMM (`kernel_grouped_matmul`; the
+    Pallas backends), per device on its slice of every expert's F under a mesh
+    (`parallel.shard_experts`). None: the model's default (ragged_dot, one device)."""
+    if backend == "xla":
+        return shard_experts(mesh)
+    fn = functools.partial(moe.experts, matmul=kernel_grouped_matmul(
+        interpret=backend == "pallas-interpret"))
+    return fn if mesh is None else shard_experts(mesh, fn)
+
+
+def kernel_grouped_matmul(interpret: bool) -> moe.GroupedMatmulFn:
+    """`models.moe.grouped_matmul`'s contract on `pallas_kernels.grouped_matmul` (an
+    `Fp8Weight` as its fp8 variant), with the kernel's tiling for the shape; ragged_dot
+    where no tiling takes it (K or N not a multiple of 16) or the dtypes differ."""
+
+    def matmul(x: jax.Array, w: jax.Array | Fp8Weight, group_sizes: jax.Array) -> jax.Array:
+        fp8 = isinstance(w, Fp8Weight)
+        groups, k, n = w.shape
+        tiling = gmm.gmm_tiling(x.shape[0], k, n, groups, fp8=fp8, dtype=x.dtype)
+        if tiling is None or (not fp8 and x.dtype != w.dtype):
+            return moe.grouped_matmul(x, w, group_sizes)
+        return gmm.grouped_matmul(x, w.w8 if fp8 else w, group_sizes,
+                                  scale=w.scale if fp8 else None, tiling=tiling,
+                                  interpret=interpret)
+
+    return matmul
