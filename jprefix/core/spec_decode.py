@@ -15,13 +15,21 @@ proposal is never in `all_token_ids`; a block holding a rejected proposal's K/V 
 the accepted tokens, so it is either freed here or rewritten at the same position by
 the next step before its block fills and is registered.
 
-Which requests speculate (`speculates`): greedy ones (temperature 0) without logits
-processing or logprobs (`sampling_extra`: penalties, a logit bias, min_p, logprobs,
-prompt logprobs) and without structured output. The others run non-speculatively in the
-same batches: sampled rows need rejection sampling against the processed distribution,
-penalties depend on the tokens before each position, logprobs would be needed at every
-accepted position, and a grammar's bitmask at each position depends on the proposals
-before it (none of which the verify step computes).
+Which requests speculate (`speculates`): greedy and sampled ones (temperature, top-k,
+top-p, seed: the verify step accepts by rejection sampling against the distribution the
+normal sampler draws from, `worker.rejection_sampler`) without logits processing or
+logprobs (`sampling_extra`: penalties, a logit bias, min_p, logprobs, prompt logprobs)
+and without structured output. Those run non-speculatively, exactly as without
+speculation, in the same batches: penalties depend on the tokens before each position
+(each proposal position would need its own counts), output logprobs would be needed at
+every accepted position (the output processor takes one per row and step), and a
+grammar's bitmask at a position depends on the proposals before it (the matcher would
+have to advance through them and roll back), none of which the verify step computes.
+
+Proposers: "ngram" fills `spec_token_ids` here; "draft_model" runs on the device, so
+the scheduler only reserves the row's d slots (`spec_token_ids` of d placeholder ids,
+`DRAFT_PLACEHOLDER`), and the engine's drafter (`engine.drafter`) overwrites them with
+the draft's proposals once the step's blocks are allocated, before the step is packed.
 """
 
 from __future__ import annotations
@@ -32,23 +40,22 @@ from jprefix.core.ngram_proposer import NgramProposer
 from jprefix.core.sequence import Sequence
 from jprefix.core.spec_config import SpeculativeConfig
 
+DRAFT_PLACEHOLDER = 0  # a reserved draft-model slot's id until the engine's drafter fills it
+
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq's decode steps may carry proposals (see the module docstring)."""
     sp = seq.sampling_params
-    return (sp is not None and sp.temperature == 0 and not seq.sampling_extra
-            and sp.structured_outputs is None)
+    return (sp is not None and not seq.sampling_extra and sp.structured_outputs is None)
 
 
 class Speculator:
     """Makes a running sequence's proposals for its next row (the scheduler's hook)."""
 
     def __init__(self, config: SpeculativeConfig):
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config method {config.method!r}: the scheduler "
-                             f"proposes with 'ngram' only")
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)  # (None: the draft model's)
 
     def propose(self, seq: Sequence, budget: int) -> int:
         """Sets seq's proposals for a decode row with `budget` tokens to spare; returns
@@ -58,8 +65,17 @@ class Speculator:
         if k <= 0 or seq.num_pending or not speculates(seq):
             seq.spec_token_ids = []
             return 0
-        seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, k)
+        seq.spec_token_ids = (self.proposer.propose(seq.all_token_ids, k)
+                              if self.proposer is not None else [DRAFT_PLACEHOLDER] * k)
         return len(seq.spec_token_ids)
+
+
+def set_proposals(seq: Sequence, tokens: list[int]) -> None:
+    """The draft model's proposals for the d slots `propose` reserved (the drafter's)."""
+    if len(tokens) != len(seq.spec_token_ids):
+        raise ValueError(f"{len(tokens)} proposals for {seq.request_id!r}, which reserved "
+                         f"{len(seq.spec_token_ids)}")
+    seq.spec_token_ids = list(tokens)
 
 
 def truncate(seq: Sequence, n: int) -> None:

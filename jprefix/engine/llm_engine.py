@@ -3,7 +3,8 @@
 Requests are validated and tokenized when they are made (`make_request`: errors raise
 before anything is scheduled) and queued (`add`); `step()` drains the queues into the scheduler,
 so another thread or an event loop may add and abort requests between steps. With async
-scheduling one step is in flight while the next is scheduled and dispatched.
+scheduling one step is in flight while the next is scheduled and dispatched (not while
+speculating: proposals need the previous step's tokens on the host).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jprefix.core.sequence import Sequence
 from jprefix.core.spec_decode import Speculator
 from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
+from jprefix.engine.drafter import Drafter
 from jprefix.engine.front import EngineFront
 from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.kv_events import KVEventPublisher
@@ -32,7 +34,7 @@ from jprefix.engine.kv_events import parse_config as parse_kv_events
 from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
-from jprefix.engine.spec_stats import SpecDecodingStats, apply_verified
+from jprefix.engine.spec_stats import apply_verified
 from jprefix.engine.stats import EngineStats, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker.spec_verify import fetch_verified
@@ -54,22 +56,20 @@ class LLMEngine(EngineFront):
 
     def __init__(self, model: LoadedModel | str, args: EngineArgs | None = None,
                  runner: Any = None, devices: list[Any] | None = None):
-        """`model`: a LoadedModel or a name `models.loader.load` takes (see `build_runner`).
-        `runner`: a ModelRunner-like object to use instead of building one (benchmarks of
-        the host side run the engine over a stub). `devices`: `build_runner`'s."""
-        self.args = args or EngineArgs()
+        """`model`, `devices`: `build_runner`'s. `runner`: a ModelRunner-like object to use
+        instead of building one (benchmarks of the host side run the engine over a stub)."""
+        self.args, draft = args or EngineArgs(), None
         if runner is None:
-            model, runner = build_runner(model, self.args, devices)
+            model, runner, draft = build_runner(model, self.args, devices)
         self.model, self.runner = model, runner
         cfg = model.config
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
                                                runner.num_blocks)
         self.kv_tier = self._make_kv_tier()
-        spec = self.args.speculative_config
-        self.speculator = None if spec is None else Speculator(spec)
-        # proposals need the previous step's tokens on the host: no step in flight
+        self.speculator = (spec := self.args.speculative_config) and Speculator(spec)
         self._async = self.args.async_scheduling and self.speculator is None
         self.scheduler = self._make_scheduler(runner.num_blocks)
+        self.drafter = draft and Drafter(draft, self.prefix_pool.trie)  # (`draft_model`)
         if self.args.prefix_cache_path is not None:
             self.kv_tier.load_file(self.args.prefix_cache_path, prefix_cache_file.identity(self))
         self.kv_events = self._make_kv_events()
@@ -78,8 +78,7 @@ class LLMEngine(EngineFront):
         self.outputs = OutputProcessor(model.tokenizer)
         self.structured = StructuredOutputManager(model.tokenizer, cfg.vocab_size,
                                                   tuple(cfg.eos_token_ids))
-        self.stats = EngineStats()
-        self.stats.spec = SpecDecodingStats(0 if spec is None else spec.num_speculative_tokens)
+        self.stats = EngineStats(spec_k=spec.num_speculative_tokens if spec else 0)
         self.cascade_planner = CascadePlanner(
             self.args.block_size, self.scheduler.block_manager.ref_count,
             self.args.cascade_min_group, self.args.cascade_min_blocks)
@@ -175,6 +174,8 @@ class LLMEngine(EngineFront):
             if not masks_later:
                 finished += self._sync_structured()
             out = self.scheduler.schedule()
+            if self.drafter is not None:  # the draft model's proposals, into reserved slots
+                self.drafter.fill(out.scheduled)
             staged = None if self.kv_tier is None else self.kv_tier.before_step(
                 self.prefix_pool)
             self.stats.record_schedule(out)

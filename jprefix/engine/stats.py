@@ -56,7 +56,8 @@ class EngineStats:
     reason; histograms of time to first token, inter-token latency and end-to-end
     latency."""
 
-    def __init__(self):
+    def __init__(self, spec_k: int = 0):
+        """`spec_k`: speculative decoding's num_speculative_tokens (0: off)."""
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -64,7 +65,7 @@ class EngineStats:
         self.e2e = Histogram(E2E_BUCKETS)
         # request id -> when its latest token was sampled (host clock), while it runs
         self._last_token: dict[str, float] = {}
-        self.spec = SpecDecodingStats()  # speculative decoding (`spec_stats`)
+        self.spec = SpecDecodingStats(spec_k)  # speculative decoding (`spec_stats`)
 
     @classmethod
     def merged(cls, parts: Iterable[EngineStats]) -> EngineStats:

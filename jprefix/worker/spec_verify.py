@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jprefix.worker.rejection_sampler import greedy_accept, rejection_sample
 from jprefix.worker.step_handle import StepHandle, unorder
 
 
@@ -42,19 +43,26 @@ def pack_spec(rows: Seq[Any], num_seqs: int, cu_q_lens: np.ndarray, counters: np
                 num_draft=num_draft)
 
 
-def greedy_verify(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
-    """target_logits [S, K+1, V], draft_tokens [S, K], num_draft [S] -> (tokens [S, K+1]
-    int32, num_accepted [S] int32): row s accepts proposals while each equals the
-    target's argmax, then emits the argmax at the first mismatch (or after its last
-    proposal): exactly the tokens non-speculative greedy decoding emits."""
-    K = draft_tokens.shape[1]
-    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K+1]
-    pos = jnp.arange(K, dtype=jnp.int32)
-    match = (target[:, :K] == draft_tokens) & (pos < num_draft[:, None])
-    num_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-    emitted = jnp.arange(K + 1, dtype=jnp.int32) <= num_accepted[:, None]
-    return jnp.where(emitted, target, -1), num_accepted.astype(jnp.int32)
+def verify(target_logits: jax.Array, batch: dict[str, jax.Array], greedy: bool
+           ) -> jax.Array:
+    """A verify step's acceptance: target_logits [S * (K+1), V] (the raw logits at
+    `spec_idx`; speculating rows have no logits processing) -> [S * (K+1) + S] int32, the
+    emitted tokens [S, K+1] (accepted proposals, then the target's token, -1 after) and
+    num_accepted [S], flattened. `greedy` (every row of the step has temperature 0) takes
+    the argmax rule only; otherwise sampled rows use the rejection rule against the
+    distribution the normal sampler draws from (temperature, top-k, top-p; `seeds` and
+    `counters` as a normal step's, so a request's draws stay its own), greedy rows the
+    argmax rule (`rejection_sampler`). The proposals are deterministic (n-gram lookup, a
+    greedy draft): one-hot draft distributions."""
+    draft, num_draft = batch["draft_tokens"], batch["num_draft"]
+    logits = target_logits.reshape(draft.shape[0], draft.shape[1] + 1, -1)
+    if greedy:
+        out, accepted = greedy_accept(logits, draft, num_draft)
+    else:
+        out, accepted = rejection_sample(
+            logits, draft, num_draft, batch["temperature"], batch["top_k"], batch["top_p"],
+            None, batch["seeds"], batch["counters"])
+    return jnp.concatenate([out.reshape(-1), accepted])
 
 
 def fetch_verified(handle: StepHandle, k: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -39,7 +39,7 @@ from jprefix.worker.parallel import (
     per_shard_qkv,
 )
 from jprefix.worker.sampler import sample
-from jprefix.worker.spec_verify import greedy_verify
+from jprefix.worker.spec_verify import verify
 from jprefix.worker.step_linear import col_linear, step_experts, step_linear
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
@@ -254,13 +254,7 @@ def _sample(logits, prompt_logits, batch, token_ids, prev_tokens, token_bitmask,
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
-    verified = None
-    if verify_logits is not None:  # (proposing rows are greedy: `core.spec_decode`)
-        draft = batch["draft_tokens"]
-        out, accepted = greedy_verify(verify_logits.reshape(*draft.shape[:1], -1,
-                                                            logits.shape[-1]),
-                                      draft, batch["num_draft"])
-        verified = jnp.concatenate([out.reshape(-1), accepted])
+    verified = None if verify_logits is None else verify(verify_logits, batch, greedy)
     return _all_rows(tokens, prev_tokens, mesh, verified), logprobs
 
 
