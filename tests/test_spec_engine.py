@@ -1,6 +1,7 @@
-"""Speculative decoding in the engine (n-gram, greedy verification): outputs equal to
-speculation off across prefix-cache modes, k, preemption and batches mixing speculating
-rows with sampled, logprobs and penalised ones; blocks balance; metrics are consistent."""
+"""Speculative decoding in the engine (n-gram): greedy outputs equal to speculation off
+across prefix-cache modes, k, preemption and batches mixing speculating rows with
+logprobs and penalised ones; sampled speculation reproducible by seed; blocks balance
+and the trie holds accepted tokens only; metrics are consistent."""
 
 import numpy as np
 import pytest
@@ -40,6 +41,17 @@ def reference(tiny, prompts):
     return [o.token_ids for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
 
 
+def check_trie_holds_outputs(llm, outputs):
+    """Every cached block's tokens (with the blocks before it) are a prefix of some
+    request's prompt + accepted output: no rejected proposal entered the trie."""
+    seqs = [tuple(o.prompt_token_ids) + tuple(o.token_ids) for o in outputs]
+    nodes = llm.engine.prefix_pool.trie.nodes()
+    for node in nodes:
+        path = tuple(t for n in node.path() for t in n.tokens)
+        assert any(s[: len(path)] == path for s in seqs), path
+    return len(nodes)
+
+
 def _check_balanced_and_stats(llm):
     eng = llm.engine
     bm = eng.scheduler.block_manager
@@ -63,6 +75,7 @@ def test_greedy_ngram_speculation_equals_speculation_off(tiny, prompts, referenc
         outs = llm.generate(prompts, _greedy(), prefix_pos=prefix, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
     _check_balanced_and_stats(llm)
+    assert (check_trie_holds_outputs(llm, outs) > 0) == (mode != "off")
 
 
 def test_speculation_under_preemption(tiny, prompts, reference):
@@ -89,10 +102,14 @@ def _check_metrics(llm):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
 
 
-def test_mixed_batch_sampled_logprobs_and_penalties_run_unspeculated(tiny, prompts):
-    """Rows that cannot speculate exactly (sampled, logprobs, penalties) share the verify
-    steps with speculating rows; every row's output equals speculation off."""
-    params = [_greedy(), SamplingParams(temperature=0.9, seed=7, max_tokens=24),
+def test_mixed_batch_logprobs_and_penalties_unspeculated_sampled_reproducible(tiny, prompts):
+    """Rows that cannot speculate (logprobs, penalties) share the verify steps with
+    speculating greedy and sampled rows: every greedy row equals speculation off; the
+    sampled row (rejection sampling) draws the same tokens on every run with its seed,
+    alone or batched."""
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24,
+                             ignore_eos=True)
+    params = [_greedy(), sampled,
               SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3,
                              ignore_eos=True)]
@@ -100,11 +117,15 @@ def test_mixed_batch_sampled_logprobs_and_penalties_run_unspeculated(tiny, promp
     spec = LLM(tiny, block_size=BS, num_kv_blocks=128, speculative_config=_spec(3))
     want = base.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, params, use_tqdm=False)
-    for w, g in zip(want, got, strict=True):
-        assert g.token_ids == w.token_ids
+    for i in (0, 2, 3):
+        assert got[i].token_ids == want[i].token_ids
     assert [list(d) for d in got[2].logprobs] == [list(d) for d in want[2].logprobs]
+    again = spec.generate(prompts, params, use_tqdm=False)
+    alone = spec.generate([prompts[1]], sampled, use_tqdm=False)
+    assert again[1].token_ids == got[1].token_ids == alone[0].token_ids
+    assert len(got[1].token_ids) == 24
     _check_balanced_and_stats(spec)
-    assert spec.engine.stats.spec.num_drafts < 24  # only the greedy row speculated
+    assert spec.engine.stats.spec.num_drafts < 3 * 2 * 24  # logprobs/penalty rows did not
 
 
 def test_engine_refuses_a_bad_speculative_config(tiny):

@@ -15,7 +15,7 @@ from jprefix.core.sampling_params import SamplingParams
 from jprefix.core.scheduler import Scheduler
 from jprefix.core.sequence import Sequence
 from jprefix.core.spec_config import SpeculativeConfig
-from jprefix.core.spec_decode import Speculator
+from jprefix.core.spec_decode import DRAFT_PLACEHOLDER, Speculator, set_proposals
 from tests.test_scheduler import (
     EOS,
     WORKLOAD,
@@ -153,7 +153,7 @@ def test_speculation_accepts_on_a_looping_model_and_stops_at_max_tokens():
     assert runner.accepted > 5 and steps < 20  # fewer steps than tokens
 
 
-def test_sampled_and_processed_rows_do_not_speculate():
+def test_sampled_rows_speculate_processed_ones_do_not():
     sched, runner = make(64, 4, 3)
     greedy = Sequence("g", [1, 2, 3] * 3, SamplingParams(temperature=0, max_tokens=8))
     sampled = Sequence("s", [1, 2, 3] * 3, SamplingParams(temperature=0.8, max_tokens=8))
@@ -164,7 +164,25 @@ def test_sampled_and_processed_rows_do_not_speculate():
     sched.update(out := sched.schedule(), runner.execute(out))
     out = sched.schedule()
     rows = {sc.seq.request_id: sc.num_new_tokens for sc in out.scheduled}
-    assert rows["g"] > 1 and rows["s"] == 1 and rows["p"] == 1
+    assert rows["g"] > 1 and rows["s"] > 1 and rows["p"] == 1
+
+
+def test_draft_model_rows_reserve_slots_the_drafter_fills():
+    """A draft model's proposals come from the device: the scheduler reserves min(k,
+    tokens left - 1) slots (blocks allocated for them), which `set_proposals` fills."""
+    bm = BlockManager(64, 4)
+    spec = Speculator(SpeculativeConfig("draft_model", 3, model="d"))
+    sched = Scheduler(SchedulerConfig(eos_token_ids={EOS}), bm, PrefixPool(bm), speculator=spec)
+    a = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3))
+    sched.add(a)
+    sched.update(sched.schedule(), [7])
+    (row,) = sched.schedule().scheduled
+    assert row.num_new_tokens == 2 and a.spec_token_ids == [DRAFT_PLACEHOLDER]  # 2 left
+    assert len(a.block_table) * 4 >= row.start + row.num_new_tokens
+    with pytest.raises(ValueError, match="reserved 1"):
+        set_proposals(a, [8, 9])
+    set_proposals(a, [8])
+    assert a.spec_token_ids == [8]
 
 
 @pytest.mark.parametrize("tokens,k,expected", [
