@@ -90,13 +90,12 @@ def test_draft_under_preemption_and_mixed_rows(sharp_tiny, prompts, sharp_refere
 
 def test_draft_cache_trusted_only_where_fed_and_shared_prefix_reused(tiny, prompts):
     """The draft is the target itself, so with a correct draft cache every proposal is
-    accepted. Non-speculating rows (they want logprobs) first fill the prefix cache
+    accepted. Non-speculating rows (max_tokens 1: nothing to propose) first fill the prefix cache
     with blocks whose draft K/V were never written: a drafter trusting them would propose
     from zeros. Then a second round of the same prompts feeds the draft fewer tokens: the
     prefix blocks the first round fed are reused."""
     llm = _llm(tiny, _draft(3))
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=1),
-                 use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert llm.engine.stats.spec.num_drafts == 0 and llm.engine.prefix_pool.trie.nodes()
     drafter = llm.engine.drafter
     llm.generate(prompts, _greedy(), use_tqdm=False)

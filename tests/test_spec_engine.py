@@ -1,7 +1,7 @@
 """Speculative decoding in the engine (n-gram): greedy outputs equal to speculation off
-across prefix-cache modes, k, preemption and batches mixing speculating rows with
-logprobs and penalised ones; sampled speculation reproducible by seed; blocks balance
-and the trie holds accepted tokens only; metrics are consistent."""
+across prefix-cache modes, k, preemption, penalties, logit bias and logprobs (the
+target's); sampled speculation reproducible by seed; blocks balance and the trie holds
+accepted tokens only; metrics are consistent."""
 
 import numpy as np
 import pytest
@@ -102,16 +102,24 @@ def _check_metrics(llm):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
 
 
-def test_mixed_batch_logprobs_and_penalties_unspeculated_sampled_reproducible(tiny, prompts):
-    """Rows that cannot speculate (logprobs, penalties) share the verify steps with
-    speculating greedy and sampled rows: every greedy row equals speculation off; the
-    sampled row (rejection sampling) draws the same tokens on every run with its seed,
-    alone or batched."""
+def _logprob_entries(out):
+    return [[(t, lp.rank, lp.logprob) for t, lp in d.items()] for d in out.logprobs]
+
+
+def test_penalised_logprob_and_sampled_rows_speculate_exactly(tiny, prompts):
+    """Every kind of row speculates in one batch: greedy ones with a repetition and a
+    frequency penalty or a logit bias equal speculation off (each verify position counts
+    the proposals before it), logprobs are the target's at each emitted token, and the
+    sampled rows (rejection sampling, with penalties, min-p and top-p too) draw the same
+    tokens on every run with their seeds, alone or batched."""
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24,
                              ignore_eos=True)
+    processed = SamplingParams(temperature=0.7, seed=9, max_tokens=24, min_p=0.05,
+                               presence_penalty=0.5, logit_bias={5: 3.0}, ignore_eos=True)
     params = [_greedy(), sampled,
               SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3,
+                             frequency_penalty=0.3, logit_bias={7: 0.5}, logprobs=1,
                              ignore_eos=True)]
     base = LLM(tiny, block_size=BS, num_kv_blocks=128)
     spec = LLM(tiny, block_size=BS, num_kv_blocks=128, speculative_config=_spec(3))
@@ -119,13 +127,19 @@ def test_mixed_batch_logprobs_and_penalties_unspeculated_sampled_reproducible(ti
     got = spec.generate(prompts, params, use_tqdm=False)
     for i in (0, 2, 3):
         assert got[i].token_ids == want[i].token_ids
-    assert [list(d) for d in got[2].logprobs] == [list(d) for d in want[2].logprobs]
+    for i in (2, 3):
+        g, w = _logprob_entries(got[i]), _logprob_entries(want[i])
+        assert [[e[:2] for e in d] for d in g] == [[e[:2] for e in d] for d in w]
+        np.testing.assert_allclose([e[2] for d in g for e in d],
+                                   [e[2] for d in w for e in d], rtol=1e-4, atol=1e-5)
+    params[3] = processed
+    first = spec.generate(prompts, params, use_tqdm=False)
     again = spec.generate(prompts, params, use_tqdm=False)
-    alone = spec.generate([prompts[1]], sampled, use_tqdm=False)
-    assert again[1].token_ids == got[1].token_ids == alone[0].token_ids
-    assert len(got[1].token_ids) == 24
+    alone = spec.generate(prompts[1::2], params[1::2], use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert [first[1].token_ids, first[3].token_ids] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 24 for o in first)
     _check_balanced_and_stats(spec)
-    assert spec.engine.stats.spec.num_drafts < 3 * 2 * 24  # logprobs/penalty rows did not
 
 
 def test_engine_refuses_a_bad_speculative_config(tiny):

@@ -15,16 +15,16 @@ proposal is never in `all_token_ids`; a block holding a rejected proposal's K/V 
 the accepted tokens, so it is either freed here or rewritten at the same position by
 the next step before its block fills and is registered.
 
-Which requests speculate (`speculates`): greedy and sampled ones (temperature, top-k,
-top-p, seed: the verify step accepts by rejection sampling against the distribution the
-normal sampler draws from, `worker.rejection_sampler`) without logits processing or
-logprobs (`sampling_extra`: penalties, a logit bias, min_p, logprobs, prompt logprobs)
-and without structured output. Those run non-speculatively, exactly as without
-speculation, in the same batches: penalties depend on the tokens before each position
-(each proposal position would need its own counts), output logprobs would be needed at
-every accepted position (the output processor takes one per row and step), and a
-grammar's bitmask at a position depends on the proposals before it (the matcher would
-have to advance through them and roll back), none of which the verify step computes.
+Which requests speculate (`speculates`): all but those with structured output. The
+verify step gives every position the distribution a normal step would sample from
+(logit bias, penalties counting the proposals before the position, min-p, temperature,
+top-k, top-p; `worker.spec_verify`); greedy rows accept by argmax, sampled ones by
+rejection sampling (`worker.rejection_sampler`), and the logprobs of the emitted
+tokens are the target's at their positions. Prompt logprobs are computed by prefill
+rows, never by a verify row. A grammar's bitmask at a position depends on the
+proposals before it (the matcher would have to advance through them and roll back),
+so a structured request runs non-speculatively, exactly as without speculation, in the
+same batches.
 
 Proposers: "ngram" fills `spec_token_ids` here; "draft_model" runs on the device, so
 the scheduler only reserves the row's d slots (`spec_token_ids` of d placeholder ids,
@@ -46,7 +46,7 @@ DRAFT_PLACEHOLDER = 0  # a reserved draft-model slot's id until the engine's dra
 def speculates(seq: Sequence) -> bool:
     """Whether seq's decode steps may carry proposals (see the module docstring)."""
     sp = seq.sampling_params
-    return (sp is not None and not seq.sampling_extra and sp.structured_outputs is None)
+    return sp is not None and sp.structured_outputs is None
 
 
 class Speculator:

@@ -1,7 +1,6 @@
 """The model runner (device side of the engine): the weights in the step's layout, the
 paged KV cache, and the dispatch of packed steps (`input_batch.StepPacker`) to the jitted
-`jprefix.worker.step.step` on one launch thread.
-"""
+`jprefix.worker.step.step` on one launch thread."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from jprefix.worker.kv_cache import auto_num_blocks, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import REPLICATED, kv_sharding, tp_config
 from jprefix.worker.params import prepare_params
+from jprefix.worker.spec_verify import fetch_verify_logprobs
 from jprefix.worker.step import BACKENDS, KVCache, compiled_steps, default_backend, step_sample
 from jprefix.worker.step_handle import MasksLater, StepHandle, to_host, unorder
 from jprefix.worker.structured import step_bitmask
@@ -301,18 +301,18 @@ class ModelRunner:
             return host_tokens
         return unorder(host_tokens, handle.order)
 
-    def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, tuple] | None:
+    def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, ...] | None:
         """An extra step's logprobs on the host, None for a plain step: per scheduled row
-        (in `scheduled` order) (logprob [R], rank [R], top ids [R, k], top logprobs
-        [R, k]), and the same per prompt-logprobs entry (`handle.prompt_positions`)."""
+        (in `scheduled` order) (logprob [R], rank [R], top ids [R, k], top logprobs [R, k]),
+        the same per prompt-logprobs entry (`handle.prompt_positions`), then a verify step's."""
         result = handle.tokens.result()
         if not isinstance(result, tuple):
             return None
-        rows, prompt = jax.tree.map(np.asarray, result[1])
+        rows, prompt = jax.tree.map(np.asarray, result[1][:2])
         rows = tuple(a[: handle.num_rows] for a in rows)
-        if handle.order is not None:
-            rows = tuple(unorder(a, handle.order) for a in rows)
-        return rows, tuple(a[: len(handle.prompt_positions)] for a in prompt)
+        rows = rows if handle.order is None else tuple(unorder(a, handle.order) for a in rows)
+        spec = () if handle.verify_rows is None else (fetch_verify_logprobs(handle),)
+        return rows, tuple(a[: len(handle.prompt_positions)] for a in prompt), *spec
 
     def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
         """Runs one step and waits for it (`dispatch` + `fetch`). Records (host seconds to

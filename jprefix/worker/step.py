@@ -254,7 +254,10 @@ def _sample(logits, prompt_logits, batch, token_ids, prev_tokens, token_bitmask,
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
-    verified = None if verify_logits is None else verify(verify_logits, batch, greedy)
+    verified = None
+    if verify_logits is not None:  # (with `extra`, its tokens' logprobs join the rows')
+        verified, spec_logprobs = verify(verify_logits, batch, token_ids, greedy, extra)
+        logprobs = logprobs if spec_logprobs is None else (*logprobs, spec_logprobs)
     return _all_rows(tokens, prev_tokens, mesh, verified), logprobs
 
 
