@@ -1,6 +1,7 @@
 """Speculative decoding on the real SmolLM2-135M: a request that quotes its prompt is
 accepted often, and batched with a structured-output request (which runs
-non-speculatively) every output equals speculation off; the verify benchmark's smoke run."""
+non-speculatively) every output equals speculation off; scripts/bench_spec.py's smoke
+runs."""
 
 import pytest
 
@@ -33,12 +34,21 @@ def test_quoting_request_speculates_and_structured_one_does_not(smol):
     assert stats.num_drafts < 32  # the structured row never speculated
 
 
-def test_bench_spec_verify_smoke(tmp_path):
+def test_bench_spec_smoke(tmp_path, smollm2_gguf):
+    """Both modes of scripts/bench_spec.py on tiny settings: the workload mode on the real
+    model (its ShareGPT half synthetic when the dataset is not installed), the verify
+    mode on tiny-llama."""
     from scripts.bench_spec import main
 
     out = main(["--verify", "--model", "tiny-llama", "--dtype", "float32", "--batch", "1",
                 "--k", "2", "--context", "16", "--reps", "1", "--num-kv-blocks", "32",
-                "--mean-accepted-length", "2", "--output-json", str(tmp_path / "v.json")])
+                "--accepted-length", "2:2.5", "--output-json", str(tmp_path / "v.json")])
     (row,) = out["rows"]
     assert row["k"] == 2 and row["verify_ms"] > 0 and row["decode_ms"] > 0
+    assert row["implied_speedup"] == 2.5 / row["verify_over_decode"]
     assert (tmp_path / "v.json").exists()
+    out = main(["--model", str(smollm2_gguf), "--k", "2", "--num-prompts", "1",
+                "--max-tokens", "8", "--num-kv-blocks", "64"])
+    assert {r["workload"] for r in out["rows"]} == {"lookup", out["sharegpt_source"]}
+    assert all(r["same_as_off"] and r["output_tokens"] > 0 for r in out["rows"])
+    assert sum(r["num_drafts"] for r in out["rows"] if r["k"] == 2) > 0
