@@ -5,15 +5,17 @@ draft was fed (a draft identical to the target accepts every proposal even after
 non-speculating rows filled the prefix cache), and a prefix the draft computed once is
 reused; sampled draft speculation is reproducible by seed; unsupported setups refused."""
 
-import types
+import dataclasses
 
 import numpy as np
 import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
-from jprefix.core.spec_config import SpeculativeConfig
+from jprefix.engine.args import EngineArgs
 from jprefix.engine.drafter import load_draft
+from jprefix.worker.pack import BucketConfig
+from tests.test_fp8_checkpoint import _write as write_fp8_checkpoint
 from tests.test_spec_engine import check_trie_holds_outputs
 
 BS = 8
@@ -119,10 +121,18 @@ def test_sampled_draft_speculation_is_seed_reproducible(tiny, prompts):
 
 @pytest.mark.parametrize("field,value", [("tensor_parallel_size", 2),
                                          ("data_parallel_size", 2)])
-def test_draft_refuses_parallel_setups_by_name(tiny, field, value):
-    args = types.SimpleNamespace(
-        speculative_config=SpeculativeConfig.parse(_draft(2)),
-        tensor_parallel_size=1, data_parallel_size=1)
-    setattr(args, field, value)
+def test_draft_refuses_parallel_setups_by_name(field, value):
     with pytest.raises(ValueError, match=f"draft_model with {field} {value}"):
-        load_draft(args, tiny, None)
+        EngineArgs(speculative_config=_draft(2), **{field: value})
+
+
+def test_draft_refuses_a_sliding_window_target_and_an_fp8_draft(tiny, tmp_path):
+    args = EngineArgs(speculative_config=_draft(2), load_format="dummy")
+    windowed = dataclasses.replace(tiny, config=dataclasses.replace(
+        tiny.config, sliding_window=8), name="windowed")
+    with pytest.raises(ValueError, match="sliding-window target 'windowed'"):
+        load_draft(args, windowed, BucketConfig())
+    write_fp8_checkpoint(tmp_path, "channel")  # (a tiny-llama with fp8 projections)
+    args = EngineArgs(speculative_config=_draft(2, str(tmp_path)), dtype="float32")
+    with pytest.raises(ValueError, match="an fp8 draft is not supported"):
+        load_draft(args, tiny, BucketConfig())

@@ -117,16 +117,11 @@ def load_draft(args: Any, target: LoadedModel, buckets: BucketConfig, device: An
                ) -> DraftRunner | None:
     """The draft model's runner (weights placed, no cache yet: `allocate_cache` once the
     target's pool is sized) for a "draft_model" `args.speculative_config`, else None.
-    Refuses, naming them, the setups the draft does not support: it runs on one device
-    in its own float dtype, beside a target whose blocks hold every token."""
+    Refuses, naming them, the setups the draft does not support: it runs in its own
+    float dtype, beside a target whose blocks hold every token."""
     spec: SpeculativeConfig | None = args.speculative_config
     if spec is None or spec.method != "draft_model":
-        return None
-    for name, value, ok in (("tensor_parallel_size", args.tensor_parallel_size, 1),
-                            ("data_parallel_size", args.data_parallel_size, 1)):
-        if value != ok:
-            raise ValueError(f"speculative_config draft_model with {name} {value} is not "
-                             "supported (the draft runs on one device, in one replica)")
+        return None  # (EngineArgs refuses a draft under tensor or data parallelism)
     if target.config.uniform_sliding_window is not None:
         raise ValueError(f"speculative_config draft_model with the sliding-window target "
                          f"{target.name!r} is not supported (its blocks leave the window)")
