@@ -42,12 +42,14 @@ from models.loader import LoadedModel, load
 
 class _Fed:
     """What the last call fed a request: `n` its tokens then (the newest last), the
-    proposals `drafts` written after them, its preemption count then."""
+    proposals `drafts` written after them, its preemption count then, and how many of
+    its leading blocks had their trie nodes recorded."""
 
-    __slots__ = ("n", "drafts", "num_preemptions")
+    __slots__ = ("n", "drafts", "num_preemptions", "recorded")
 
-    def __init__(self, n: int, drafts: list[int], num_preemptions: int):
+    def __init__(self, n: int, drafts: list[int], num_preemptions: int, recorded: int):
         self.n, self.drafts, self.num_preemptions = n, drafts, num_preemptions
+        self.recorded = recorded
 
     def valid(self, token_ids: list[int]) -> int:
         """Leading positions of `token_ids` (grown since) whose draft K/V are valid."""
@@ -76,21 +78,24 @@ class Drafter:
             if sc.seq.spec_token_ids:
                 groups.setdefault(len(sc.seq.spec_token_ids), []).append(sc.seq)
         for d, seqs in groups.items():
-            rows = [self._row(seq) for seq in seqs]
-            for seq, tokens in zip(seqs, self.runner.propose(rows, d).tolist(), strict=True):
+            fed = [self._feed(seq) for seq in seqs]
+            proposals = self.runner.propose([row for row, _ in fed], d).tolist()
+            for seq, (_, recorded), tokens in zip(seqs, fed, proposals, strict=True):
                 set_proposals(seq, tokens)
-                self._fed[seq] = _Fed(seq.num_tokens, tokens, seq.num_preemptions)
+                self._fed[seq] = _Fed(seq.num_tokens, tokens, seq.num_preemptions, recorded)
 
-    def _row(self, seq: Sequence) -> DraftRow:
+    def _feed(self, seq: Sequence) -> tuple[DraftRow, int]:
+        """seq's draft row (the tokens from its first without valid draft K/V), and how
+        many of its leading blocks have their trie nodes recorded now."""
         ids = seq.all_token_ids
         fed = self._fed.get(seq)
         if fed is None or fed.num_preemptions != seq.num_preemptions:
-            valid = self._cached(seq)
+            valid, recorded = self._cached(seq), 0
         else:
-            valid = fed.valid(ids)
-        self._record(seq, valid)
+            valid, recorded = fed.valid(ids), fed.recorded
+        recorded = self._record(seq, valid, recorded)
         self.num_fed_tokens += len(ids) - valid
-        return DraftRow(ids[valid:], valid, seq.block_table)
+        return DraftRow(ids[valid:], valid, seq.block_table), recorded
 
     def _cached(self, seq: Sequence) -> int:
         """Tokens of seq's leading blocks that hold the draft's K/V (recorded nodes that
@@ -103,14 +108,16 @@ class Drafter:
             n += 1
         return n * self.block_size
 
-    def _record(self, seq: Sequence, valid: int) -> None:
-        """Records the trie nodes of seq's full blocks below `valid` (draft-fed)."""
-        node_of, nodes = self.trie.node_of, self._nodes
-        for block in seq.block_table[: valid // self.block_size]:
-            node = node_of(block)
-            if node is None:  # (registration stops at the first unregistered block)
-                break
-            nodes[block] = node
+    def _record(self, seq: Sequence, valid: int, start: int) -> int:
+        """Records the trie nodes of seq's full blocks from `start` up to `valid` (fed
+        to the draft); returns up to where they are recorded (registration, and so
+        recording, stops at the first block not in the trie)."""
+        node_of, nodes, table = self.trie.node_of, self._nodes, seq.block_table
+        end = valid // self.block_size
+        while start < end and (node := node_of(table[start])) is not None:
+            nodes[table[start]] = node
+            start += 1
+        return start
 
 
 def load_draft(args: Any, target: LoadedModel, buckets: BucketConfig, device: Any = None

@@ -232,10 +232,15 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
                                linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
                                col_linear(backend, mesh), step_experts(backend, mesh))
-    logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
-    verify_logits = (compute_logits(params, cfg, hidden[batch["spec_idx"].reshape(-1)])
-                     if "spec_idx" in batch else None)
+    if "spec_idx" not in batch:
+        logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
+        return batch, token_ids, logits, prompt_logits, kv_cache, None
+    # a verify step: each row's last position (`logits_idx`) is among its spec_idx, at
+    # num_draft: one logits computation serves both
+    verify_logits = compute_logits(params, cfg, hidden[batch["spec_idx"].reshape(-1)])
+    S, K1 = batch["spec_idx"].shape
+    logits = verify_logits.reshape(S, K1, -1)[jnp.arange(S), batch["num_draft"]]
     return batch, token_ids, logits, prompt_logits, kv_cache, verify_logits
 
 
