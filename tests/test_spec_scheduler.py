@@ -154,7 +154,7 @@ def test_speculation_accepts_on_a_looping_model_and_stops_at_max_tokens():
     assert runner.accepted > 5 and steps < 20  # fewer steps than tokens
 
 
-def test_sampled_and_processed_rows_speculate_structured_ones_do_not():
+def test_sampled_and_processed_rows_speculate_structured_and_stop_string_ones_do_not():
     sched, runner = make(64, 4, 3)
     greedy = Sequence("g", [1, 2, 3] * 3, SamplingParams(temperature=0, max_tokens=8))
     sampled = Sequence("s", [1, 2, 3] * 3, SamplingParams(temperature=0.8, max_tokens=8))
@@ -162,12 +162,15 @@ def test_sampled_and_processed_rows_speculate_structured_ones_do_not():
                                                        repetition_penalty=1.2, logprobs=1))
     structured = Sequence("j", [1, 2, 3] * 3, SamplingParams(
         temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json_object=True)))
-    for s in (greedy, sampled, penal, structured):
+    stopped = Sequence("t", [1, 2, 3] * 3, SamplingParams(temperature=0, max_tokens=8,
+                                                         stop=["ab"]))
+    for s in (greedy, sampled, penal, structured, stopped):
         sched.add(s)
     sched.update(out := sched.schedule(), runner.execute(out))
     out = sched.schedule()
     rows = {sc.seq.request_id: sc.num_new_tokens for sc in out.scheduled}
-    assert rows["g"] > 1 and rows["s"] > 1 and rows["p"] > 1 and rows["j"] == 1
+    assert rows["g"] > 1 and rows["s"] > 1 and rows["p"] > 1
+    assert rows["j"] == 1 and rows["t"] == 1
 
 
 def test_draft_model_rows_reserve_slots_the_drafter_fills():

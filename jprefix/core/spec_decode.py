@@ -15,7 +15,8 @@ proposal is never in `all_token_ids`; a block holding a rejected proposal's K/V 
 the accepted tokens, so it is either freed here or rewritten at the same position by
 the next step before its block fills and is registered.
 
-Which requests speculate (`speculates`): all but those with structured output. The
+Which requests speculate (`speculates`): all but those with structured output or stop
+strings. The
 verify step gives every position the distribution a normal step would sample from
 (logit bias, penalties counting the proposals before the position, min-p, temperature,
 top-k, top-p; `worker.spec_verify`); greedy rows accept by argmax, sampled ones by
@@ -23,8 +24,9 @@ rejection sampling (`worker.rejection_sampler`), and the logprobs of the emitted
 tokens are the target's at their positions. Prompt logprobs are computed by prefill
 rows, never by a verify row. A grammar's bitmask at a position depends on the
 proposals before it (the matcher would have to advance through them and roll back),
-so a structured request runs non-speculatively, exactly as without speculation, in the
-same batches.
+and a stop string is matched on the text after each token (a verify row appends
+several at once, so tokens after the one completing it would stay in the output): such
+a request runs non-speculatively, exactly as without speculation, in the same batches.
 
 Proposers: "ngram" fills `spec_token_ids` here; "draft_model" runs on the device, so
 the scheduler only reserves the row's d slots (`spec_token_ids` of d placeholder ids,
@@ -46,7 +48,7 @@ DRAFT_PLACEHOLDER = 0  # a reserved draft-model slot's id until the engine's dra
 def speculates(seq: Sequence) -> bool:
     """Whether seq's decode steps may carry proposals (see the module docstring)."""
     sp = seq.sampling_params
-    return sp is not None and sp.structured_outputs is None
+    return sp is not None and sp.structured_outputs is None and not sp.stop
 
 
 class Speculator:
