@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jprefix.entrypoints.cli_args import add_fp8_flags as add_fp8_flags  # (re-exported)
+from jprefix.entrypoints.cli_args import add_spec_flag
 from jprefix.entrypoints.cli_args import fp8_kwargs as fp8_kwargs
 
 
@@ -47,4 +48,5 @@ def workload_parser(description: str, prompts: bool = True) -> argparse.Argument
     ap.add_argument("--unique-len", type=int, default=104)
     ap.add_argument("--output-json", default=None)
     add_fp8_flags(ap)
+    add_spec_flag(ap)
     return ap

@@ -9,70 +9,42 @@ step shares them (K/V are written before attention). Out of blocks: evict unrefe
 cached blocks (LRU, leaves first), then preempt the newest running sequence (recompute).
 A model windowed on every layer frees the blocks that left the window (null entries).
 
-Scheduled tokens count as computed as soon as they are scheduled (the device runs the
-steps in order), and a sampled token counts as pending until `update` appends it. So the
-next step can be scheduled while this one still runs (async scheduling): a sequence whose
-newest token is pending decodes it from the previous step's device output.
+Scheduled tokens count as computed once scheduled (the device runs the steps in order),
+a sampled token as pending until `update` appends it. So the next step can be scheduled
+while this one runs (async scheduling): a pending token is read from the device output.
+A speculating sequence's decode row also computes its proposals (`core.spec_decode`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import NamedTuple
 
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.config import SchedulerConfig
 from jprefix.core.policies import make_policy
 from jprefix.core.prefix_cache import PrefixPool
+from jprefix.core.sched_output import ScheduledSeq, SchedulerOutput, is_decode_step  # noqa: F401
 from jprefix.core.sequence import Sequence, SequenceStatus
 from jprefix.core.sliding_window import release_outside_window
-
-
-class ScheduledSeq(NamedTuple):
-    """Compute the tokens at positions start..start+num_new_tokens-1 of `seq` (the last
-    may be pending: sampled by the step before, not yet on the host); `sample`: the step
-    samples the token after them. (A NamedTuple: one is made per row per step.)"""
-
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    sample: bool
-
-
-def is_decode_step(num_new_tokens: Seq[int]) -> bool:
-    """Whether a step whose rows compute these token counts is a decode step: every row
-    computes exactly one token (the decode-tiled kernels, cascade and repacking apply).
-    The one definition of a decode step; the others derive from it."""
-    return num_new_tokens.count(1) == len(num_new_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # back to waiting, blocks freed
-    ignored: list[Sequence] = field(default_factory=list)  # finished 'error': can never fit
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(map(attrgetter("num_new_tokens"), self.scheduled))
+from jprefix.core.spec_decode import Speculator, accept, truncate
 
 
 class Scheduler:
     """Host-side scheduler; `schedule()` and `update()` alternate, one pair per step."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 prefix_pool: PrefixPool, sliding_window: int | None = None):
-        """`sliding_window`: every layer's window, if all have one (`sliding_window.py`)."""
+                 prefix_pool: PrefixPool, sliding_window: int | None = None,
+                 speculator: Speculator | None = None):
+        """`sliding_window`: every layer's window, if all have one (`sliding_window.py`);
+        `speculator`: proposals for decode rows (`spec_decode`; None: no speculation)."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.config = config
         self.block_manager = block_manager
         self.prefix_pool = prefix_pool
         self.block_size = block_manager.block_size
-        self.sliding_window = sliding_window
+        self.sliding_window, self.speculator = sliding_window, speculator
         self.waiting = make_policy(config.policy, prefix_pool)
         self.running: dict[str, Sequence] = {}  # in arrival order
         self._running_sorted = True
@@ -125,7 +97,7 @@ class Scheduler:
         # Python code).
         running, block_size, new = SequenceStatus.RUNNING, self.block_size, tuple.__new__
         caching, append = self.config.enable_prefix_caching, out.scheduled.append
-        window = self.sliding_window
+        window, spec = self.sliding_window, self.speculator
         for seq in list(self.running.values()):
             if budget == 0:
                 break
@@ -139,16 +111,20 @@ class Scheduler:
             if remaining == 0 or scheduled_tokens >= seq.token_limit:
                 continue  # its pending token is its last, or the step before it runs
             n = remaining if remaining < budget else budget
+            if spec is not None and remaining == 1:
+                n += spec.propose(seq, budget - 1)  # the verify row: 1 + proposals
             end = start + n
             if end > len(seq.block_table) * block_size:  # needs blocks: may preempt
                 n = self._grow_running(seq, n, out)
+                if spec is not None:
+                    truncate(seq, n)
                 if n == 0:
                     continue
                 end = start + n
             if caching and end // block_size > seq.num_registered_blocks and (
                     seq.num_shareable_blocks(block_size) > seq.num_registered_blocks):
                 self._register(seq, end)
-            sample = end == scheduled_tokens
+            sample = end >= scheduled_tokens
             seq.num_computed_tokens = end
             seq.num_pending += sample
             append(new(ScheduledSeq, (seq, start, n, sample)))
@@ -307,6 +283,12 @@ class Scheduler:
                 continue
             seq.num_pending -= 1
             ids = seq.all_token_ids
+            if token.__class__ is list:  # a verify row's emitted tokens (`spec_decode`)
+                if (reason := accept(seq, token, self.block_manager)) is None:
+                    continue
+                self.finish(seq, reason)
+                finished.append(seq)
+                continue
             ids.append(token)
             # stop_ids: its stop_token_ids and (unless ignore_eos) the EOS ids, from `add`
             if token in seq.stop_ids and seq.num_output_tokens >= seq.sampling_params.min_tokens:

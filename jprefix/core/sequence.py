@@ -72,6 +72,9 @@ class Sequence:
         # Async scheduling: tokens sampled by steps in flight, not yet appended (the
         # runner's packer knows which device output row holds the newest of them)
         self.num_pending = 0
+        # speculative decoding: the proposals its next row verifies (`core.spec_decode`),
+        # never part of all_token_ids
+        self.spec_token_ids: list[int] = []
         sp = sampling_params
         # `all_token_ids` never grows past this length (prompt + max_tokens) ...
         self.token_limit = (len(self.prompt_token_ids) + sp.max_tokens if sp is not None

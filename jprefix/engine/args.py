@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jprefix.core.routing import parse_routing_policy
+from jprefix.core.spec_config import SpeculativeConfig
 from jprefix.engine.kv_events import parse_config as parse_kv_events
 
 _CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -110,6 +111,9 @@ class EngineArgs:
     prefix_cache_path: str | None = None
     # vLLM's KVEventsConfig as JSON (jprefix.engine.kv_events): KV cache events over ZMQ
     kv_events_config: str | None = None
+    # vLLM's speculative_config (a dict, its JSON, or a `core.spec_config.SpeculativeConfig`;
+    # parsed into the latter): "ngram" (prompt lookup) or "draft_model". None: off
+    speculative_config: Any = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -135,6 +139,12 @@ class EngineArgs:
             raise ValueError(f"distributed_timeout_s must be >= 1, got "
                              f"{self.distributed_timeout_s}")
         parse_kv_events(self.kv_events_config)  # ValueError naming a bad config
+        self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if spec is not None and spec.method == "draft_model" and getattr(self, name) > 1:
+                raise ValueError(f"speculative_config draft_model with {name} "
+                                 f"{getattr(self, name)} is not supported (the draft runs on "
+                                 "one device, in one replica)")
         if not self.kv_offloading_size >= 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got "
                              f"{self.kv_offloading_size}")

@@ -3,7 +3,8 @@
 Requests are validated and tokenized when they are made (`make_request`: errors raise
 before anything is scheduled) and queued (`add`); `step()` drains the queues into the scheduler,
 so another thread or an event loop may add and abort requests between steps. With async
-scheduling one step is in flight while the next is scheduled and dispatched.
+scheduling one step is in flight while the next is scheduled and dispatched (not while
+speculating: proposals need the previous step's tokens on the host).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.scheduler import Scheduler, SchedulerOutput
 from jprefix.core.sequence import Sequence
+from jprefix.core.spec_decode import Speculator
 from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
+from jprefix.engine.drafter import Drafter
 from jprefix.engine.front import EngineFront
 from jprefix.engine.input_processor import InputProcessor
 from jprefix.engine.kv_events import KVEventPublisher
@@ -31,8 +34,10 @@ from jprefix.engine.kv_events import parse_config as parse_kv_events
 from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
 from jprefix.engine.runner_setup import build_runner, fit_max_model_len
+from jprefix.engine.spec_stats import apply_verified
 from jprefix.engine.stats import EngineStats, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
+from jprefix.worker.spec_verify import fetch_verified
 from jprefix.worker.step_handle import StepHandle
 from models.loader import LoadedModel
 
@@ -51,18 +56,20 @@ class LLMEngine(EngineFront):
 
     def __init__(self, model: LoadedModel | str, args: EngineArgs | None = None,
                  runner: Any = None, devices: list[Any] | None = None):
-        """`model`: a LoadedModel or a name `models.loader.load` takes (see `build_runner`).
-        `runner`: a ModelRunner-like object to use instead of building one (benchmarks of
-        the host side run the engine over a stub). `devices`: `build_runner`'s."""
-        self.args = args or EngineArgs()
+        """`model`, `devices`: `build_runner`'s. `runner`: a ModelRunner-like object to use
+        instead of building one (benchmarks of the host side run the engine over a stub)."""
+        self.args, draft = args or EngineArgs(), None
         if runner is None:
-            model, runner = build_runner(model, self.args, devices)
+            model, runner, draft = build_runner(model, self.args, devices)
         self.model, self.runner = model, runner
         cfg = model.config
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
                                                runner.num_blocks)
         self.kv_tier = self._make_kv_tier()
+        self.speculator = (spec := self.args.speculative_config) and Speculator(spec)
+        self._async = self.args.async_scheduling and self.speculator is None
         self.scheduler = self._make_scheduler(runner.num_blocks)
+        self.drafter = draft and Drafter(draft, self.prefix_pool.trie)  # (`draft_model`)
         if self.args.prefix_cache_path is not None:
             self.kv_tier.load_file(self.args.prefix_cache_path, prefix_cache_file.identity(self))
         self.kv_events = self._make_kv_events()
@@ -71,7 +78,7 @@ class LLMEngine(EngineFront):
         self.outputs = OutputProcessor(model.tokenizer)
         self.structured = StructuredOutputManager(model.tokenizer, cfg.vocab_size,
                                                   tuple(cfg.eos_token_ids))
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec_k=spec.num_speculative_tokens if spec else 0)
         self.cascade_planner = CascadePlanner(
             self.args.block_size, self.scheduler.block_manager.ref_count,
             self.args.cascade_min_group, self.args.cascade_min_blocks)
@@ -98,7 +105,8 @@ class LLMEngine(EngineFront):
         blocks = BlockManager(num_blocks, self.args.block_size)
         host = None if self.kv_tier is None else self.kv_tier.pool
         return Scheduler(cfg, blocks, PrefixPool(blocks, host),
-                         sliding_window=self.model.config.uniform_sliding_window)
+                         sliding_window=self.model.config.uniform_sliding_window,
+                         speculator=self.speculator)
 
     def _make_kv_tier(self) -> KVTier | None:
         """The host tier (kv_offloading_size, or the blocks of prefix_cache_path)."""
@@ -166,6 +174,8 @@ class LLMEngine(EngineFront):
             if not masks_later:
                 finished += self._sync_structured()
             out = self.scheduler.schedule()
+            if self.drafter is not None:  # the draft model's proposals, into reserved slots
+                self.drafter.fill(out.scheduled)
             staged = None if self.kv_tier is None else self.kv_tier.before_step(
                 self.prefix_pool)
             self.stats.record_schedule(out)
@@ -177,7 +187,7 @@ class LLMEngine(EngineFront):
                           if masks_later else self.runner.dispatch(
                               out.scheduled, plan, self.structured.bitmasks(out.scheduled)))
                 launched = _InFlight(out, handle, t0, time.perf_counter())
-            if self.args.async_scheduling:
+            if self._async:
                 done, self._inflight = self._inflight, launched
             else:
                 done = launched
@@ -206,7 +216,7 @@ class LLMEngine(EngineFront):
         a structured request's token, which the request's next mask needs): the runner
         then runs the next step's model while the host processes the step in flight and
         fills the masks, and samples once they are there (`ModelRunner.sample`)."""
-        return (self._inflight is not None and self.args.async_scheduling
+        return (self._inflight is not None and self._async
                 and getattr(self.runner, "can_mask_later", False)
                 and self.structured.needs_sync())
 
@@ -233,6 +243,10 @@ class LLMEngine(EngineFront):
         tokens = self.runner.fetch(done.handle)
         t_fetched = time.perf_counter()
         tokens = tokens.tolist()
+        if self.speculator is not None and (verified := fetch_verified(
+                done.handle, self.speculator.k)) is not None:
+            tokens, extra = apply_verified(done.out.scheduled, tokens, verified, self.stats.spec)
+            self.stats.generation_tokens += extra
         finished = self.scheduler.update(done.out, tokens)
         positions = getattr(done.handle, "prompt_positions", None)
         if positions is not None:  # (an extra step: logits processing or logprobs)

@@ -26,15 +26,30 @@ class LogprobState:
         self.cumulative = 0.0  # the sum over output tokens
 
     def attach_output(self, seq: Sequence, lp: float, rank: int, top_ids: Any,
-                      top_lps: Any) -> None:
-        """The entry of `seq`'s newest token, if it wants logprobs and the entry is the
-        next one (the token was appended, not dropped)."""
+                      top_lps: Any, index: int | None = None) -> None:
+        """The entry of `seq`'s output token number `index` (None: its newest), if it
+        wants logprobs and the entry is the next one (the token was appended, not
+        dropped)."""
         k = self.num_logprobs
-        if k is None or len(self.output) != seq.num_output_tokens - 1:
+        index = seq.num_output_tokens - 1 if index is None else index
+        if k is None or len(self.output) != index:
             return
-        self.output.append((seq.all_token_ids[-1], lp, rank, top_ids[:k].tolist(),
-                            top_lps[:k].tolist()))
+        token = seq.all_token_ids[len(seq.prompt_token_ids) + index]
+        self.output.append((token, lp, rank, top_ids[:k].tolist(), top_lps[:k].tolist()))
         self.cumulative += lp
+
+    def attach_outputs(self, seq: Sequence, entries: list[Any]) -> None:
+        """A verify row's entries (logprob [K+1], rank [K+1], top ids [K+1, k], top
+        logprobs [K+1, k]) for the tokens it appended to `seq` (the first of its emitted
+        tokens: a stop may end them early), if its first is the next entry."""
+        lp, rank, top_ids, top_lps = entries
+        first = len(self.output)
+        n = seq.num_output_tokens - first
+        if self.num_logprobs is None or not 0 < n <= len(lp):
+            return
+        for j in range(n):
+            self.attach_output(seq, float(lp[j]), int(rank[j]), top_ids[j], top_lps[j],
+                               index=first + j)
 
     def attach_prompt(self, seq: Sequence, p: int, prompt: tuple, j: int) -> None:
         """Entry j of a step's prompt logprobs (lp, rank, top ids, top logprobs arrays),

@@ -111,14 +111,19 @@ class OutputProcessor:
     def attach_logprobs(self, scheduled: Seq, logprobs: tuple | None,
                         prompt_positions: list[tuple[Any, int]] | None) -> None:
         """A processed step's device logprobs (`ModelRunner.fetch_logprobs`) to each
-        row's request (`LogprobState.attach` says which entries are kept)."""
+        row's request (`LogprobState.attach` says which entries are kept); a verify
+        row's are its emitted tokens' (`spec_verify.verify_logprobs`)."""
         if logprobs is None:
             return
-        (lp, rank, top_ids, top_lp), prompt = logprobs
+        (lp, rank, top_ids, top_lp), prompt, *spec = logprobs
         states = self.states
         for i, (seq, _, _, sample) in enumerate(scheduled):
             state = states.get(seq.request_id)
-            if sample and state is not None:
+            if not sample or state is None:
+                continue
+            if spec and spec[0][4][i]:  # (a verify row)
+                state.logprobs.attach_outputs(seq, [a[i] for a in spec[0][:4]])
+            else:
                 state.logprobs.attach_output(seq, float(lp[i]), int(rank[i]), top_ids[i],
                                              top_lp[i])
         for j, (seq, p) in enumerate(prompt_positions or ()):

@@ -9,7 +9,10 @@ from typing import Any
 import jax
 
 from jprefix.engine.args import EngineArgs, resolve_dtype
+from jprefix.engine.drafter import load_draft
 from jprefix.worker import multihost, xla_flags
+from jprefix.worker.draft_runner import DraftRunner, target_memory_fraction
+from jprefix.worker.kv_cache import kv_block_bytes, kv_dtype
 from jprefix.worker.model_runner import ModelRunner
 from jprefix.worker.pack import BucketConfig
 from jprefix.worker.parallel import make_mesh, placed_on
@@ -17,8 +20,10 @@ from models.loader import LoadedModel, load, model_config
 
 
 def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] | None = None
-                 ) -> tuple[LoadedModel, ModelRunner]:
-    """The model (loaded here when given by name) and its runner: the one place the mesh
+                 ) -> tuple[LoadedModel, ModelRunner, DraftRunner | None]:
+    """The model (loaded here when given by name), its runner, and for a "draft_model"
+    speculative config the draft's runner (its cache of as many blocks as the target's,
+    the memory shared: `draft_runner.target_memory_fraction`): the one place the mesh
     is made. A model loaded here is handed to the runner, which replaces its weights by
     the step's layout (one copy on the device); a LoadedModel passed in is left as is and
     the runner keeps the step's layout beside it (unless it is in that layout already).
@@ -54,23 +59,31 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
         with placed_on(device):
             model = load(model, resolve_dtype(args.dtype, model), args.load_format, mesh=mesh,
                          tokenizer=args.tokenizer)
+    buckets = BucketConfig(min_seqs=8, single_stream=jax.default_backend() == "cpu")
+    draft = load_draft(args, model, buckets, device)  # (None unless a draft model speculates)
+    fraction = args.gpu_memory_utilization if draft is None else target_memory_fraction(
+        args.gpu_memory_utilization, kv_block_bytes(cfg, args.block_size, kv_dtype(
+            args.kv_cache_dtype, model.params.embed.dtype)), draft.block_bytes)
     runner = ModelRunner(
         model.params, cfg, args.num_kv_blocks, args.block_size, model.params.embed.dtype,
         backend=args.attention_backend,
-        buckets=BucketConfig(min_seqs=8, single_stream=jax.default_backend() == "cpu"),
-        unroll_layers=args.unroll_layers, memory_fraction=args.gpu_memory_utilization,
+        buckets=buckets, unroll_layers=args.unroll_layers, memory_fraction=fraction,
         cpu_num_blocks=args.cpu_num_kv_blocks, mesh=mesh, max_num_seqs=args.max_num_seqs,
         fixed_inputs=args.fixed_inputs, donate_params=owned, device=device,
         multi_process=multi,
         kv_cache_dtype=args.kv_cache_dtype,
         # an fp8 checkpoint, loaded dequantised, is served in fp8 (models.config)
         quantization=args.quantization or cfg.checkpoint_quantization,
+        num_speculative_tokens=(0 if args.speculative_config is None
+                                else args.speculative_config.num_speculative_tokens),
     )
+    if draft is not None:
+        draft.allocate_cache(runner.num_blocks)
     if multi:  # processes other than 0 follow process 0's steps here, then exit
         multihost.start(runner)
     if owned:
         model = dataclasses.replace(model, params=runner.params)
-    return model, runner
+    return model, runner, draft
 
 
 def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from jprefix.core.scheduler import SchedulerOutput
 from jprefix.core.sequence import Sequence
+from jprefix.engine.spec_stats import SpecDecodingStats
 
 # vLLM's bucket bounds (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -55,7 +56,8 @@ class EngineStats:
     reason; histograms of time to first token, inter-token latency and end-to-end
     latency."""
 
-    def __init__(self):
+    def __init__(self, spec_k: int = 0):
+        """`spec_k`: speculative decoding's num_speculative_tokens (0: off)."""
         self.prompt_tokens = self.generation_tokens = self.num_preemptions = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -63,6 +65,7 @@ class EngineStats:
         self.e2e = Histogram(E2E_BUCKETS)
         # request id -> when its latest token was sampled (host clock), while it runs
         self._last_token: dict[str, float] = {}
+        self.spec = SpecDecodingStats(spec_k)  # speculative decoding (`spec_stats`)
 
     @classmethod
     def merged(cls, parts: Iterable[EngineStats]) -> EngineStats:
@@ -74,6 +77,7 @@ class EngineStats:
             out.generation_tokens += part.generation_tokens
             out.num_preemptions += part.num_preemptions
             out.finished.update(part.finished)
+            out.spec.add(part.spec)
             for name in ("ttft", "itl", "e2e"):
                 mine, theirs = getattr(out, name), getattr(part, name)
                 mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts, strict=True)]

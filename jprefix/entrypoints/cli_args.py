@@ -49,6 +49,8 @@ HELP = {
     "kv_cache_dtype": "the KV cache's format: auto = the model dtype; fp8 = fp8_e4m3 "
                       "(per-row scales), fp8_e5m2",
     "quantization": "fp8: the linear layers' weights quantised to fp8 at load time",
+    "speculative_config": "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'",
 }
 _TYPES: dict[str, Any] = {"int": int, "int | None": int, "float": float, "float | None": float,
                           "str": str, "str | None": str}
@@ -61,8 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"default": f.default, "help": HELP.get(f.name)}
         if kind in ("bool", "bool | None"):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif kind in _TYPES:
-            kwargs["type"] = _TYPES[kind]
+        elif kind in _TYPES or f.name == "speculative_config":  # (JSON text)
+            kwargs["type"] = _TYPES.get(kind, str)
         else:
             raise TypeError(f"EngineArgs.{f.name}: no command-line type for {kind!r}")
         if f.name == "dtype":
@@ -90,5 +92,14 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def fp8_kwargs(args: argparse.Namespace) -> dict:
-    """The two fp8 flags as LLM keyword arguments."""
-    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+    """The two fp8 flags as LLM keyword arguments (and --speculative-config where the
+    parser has it: `add_spec_flag`)."""
+    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                **({} if getattr(args, "speculative_config", None) is None
+                   else {"speculative_config": args.speculative_config}))
+
+
+def add_spec_flag(parser: argparse.ArgumentParser) -> None:
+    """--speculative-config (JSON) as `jprefix serve` takes it, for `jprefix generate`
+    and the benchmarks."""
+    parser.add_argument("--speculative-config", default=None, help=HELP["speculative_config"])

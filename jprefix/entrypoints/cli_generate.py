@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jprefix.entrypoints.cli_args import DTYPES, HELP
+from jprefix.entrypoints.cli_args import DTYPES, HELP, add_spec_flag
 from jprefix.entrypoints.cli_progress import (
     CompileWatch,
     StatusLine,
@@ -74,6 +74,7 @@ def add_generate_parser(sub: Any, add_fp8_flags: Any) -> None:
     samp.add_argument("--stop", action="append", default=None,
                       help="a stop string (repeatable)")
     add_fp8_flags(gen)
+    add_spec_flag(gen)
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -144,7 +145,8 @@ def _load(args) -> Any:
         return LLM(args.model, dtype=args.dtype, load_format=args.load_format,
                    tokenizer=args.tokenizer, block_size=args.block_size,
                    enable_prefix_caching=args.prefix_mode != "off",
-                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                   speculative_config=args.speculative_config)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise SystemExit(f"jprefix generate: {load_error(exc, args.model)}") from None
 

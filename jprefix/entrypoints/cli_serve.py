@@ -38,7 +38,6 @@ REFUSED = {
     "--cpu-offload-gb": "weights are never offloaded to host memory",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
-    "--speculative-config": "speculative decoding is not implemented",
     "--trust-remote-code": "jprefix runs no checkpoint code (Baichuan2: pass --tokenizer)",
     "--enable-auto-tool-choice": "tool calls are not supported",
     "--tool-call-parser": "tool calls are not supported",

@@ -47,6 +47,7 @@ def engine_snapshot(llm: LLM) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "generation_tokens": stats.generation_tokens,
         "num_finished_requests": dict(stats.finished),
+        "spec_decode": stats.spec.summary(),  # (`engine.spec_stats`; zeros when off)
     }
 
 
@@ -86,6 +87,7 @@ class EngineCollector:
             success.add_metric([self.name, reason], stats.finished.get(reason, 0))
         yield success
         yield from self._host_tier(s)
+        yield from self._spec_decode(s["spec_decode"])
         for name, doc, hist in (
                 ("vllm:time_to_first_token_seconds", "Time to first token.", stats.ttft),
                 ("vllm:inter_token_latency_seconds", "Time between tokens.", stats.itl),
@@ -95,6 +97,20 @@ class EngineCollector:
             family.add_metric([self.name], hist.cumulative(), sum_value=hist.sum)
             yield family
 
+
+    def _spec_decode(self, spec: dict[str, Any]):
+        """Speculative decoding's counters under vLLM's names (zeros when it is off)."""
+        c = CounterMetricFamily
+        for name, doc in (("num_drafts", "Verify rows: sequences whose step carried "
+                                         "proposals."),
+                          ("num_draft_tokens", "Proposed tokens verified."),
+                          ("num_accepted_tokens", "Proposed tokens accepted.")):
+            yield self._family(c, "vllm:spec_decode_" + name, doc, spec[name])
+        per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted proposals "
+                    "by their position in the proposal.", labels=["model_name", "position"])
+        for pos, n in enumerate(spec["accepted_per_pos"]):
+            per_pos.add_metric([self.name, str(pos)], n)
+        yield per_pos
 
     def _host_tier(self, s: dict[str, Any]):
         """The prefix cache's host tier (`--kv-offloading-size`), when it is on."""

@@ -24,6 +24,7 @@ from jprefix.worker.pack import BucketConfig, PackCache, pack_cascade, pack_step
 from jprefix.worker.pack_sampling import pack_sampling
 from jprefix.worker.repack import DecodeStep, remember_decode, repack_decode
 from jprefix.worker.request_rows import RequestRows
+from jprefix.worker.spec_verify import pack_spec
 
 
 class StepKind(NamedTuple):
@@ -60,8 +61,10 @@ class StepPacker:
     `reuse=False` packs every step afresh (no state carried between steps besides the
     pending rows); the packed buffers are the same either way."""
 
-    def __init__(self, block_size: int, buckets: BucketConfig, reuse: bool = True):
+    def __init__(self, block_size: int, buckets: BucketConfig, reuse: bool = True,
+                 num_speculative_tokens: int = 0):
         self.block_size, self.buckets = block_size, buckets
+        self.spec_k = num_speculative_tokens  # a verify step's K (`spec_verify`)
         self.cache = PackCache() if reuse else None
         self.decode: DecodeStep | None = None  # the last step, if a reusable decode step
         self.penalty_entries = 0  # the most penalty entries an extra step has sent
@@ -77,12 +80,13 @@ class StepPacker:
         order = plan.order if plan is not None else None
         rows = list(scheduled) if order is None else list(map(scheduled.__getitem__, order))
         extra = any(map(_SAMPLING_EXTRA, map(_SEQ, rows)))
-        packed = None if extra else self._repack(rows, plan)
+        spec = self.spec_k > 0 and any(sc.seq.spec_token_ids for sc in rows)
+        packed = None if extra or spec else self._repack(rows, plan)
         num_decode, positions = 0, []
         if packed is None:
             if plan is None:
                 rows, order, num_decode = _decode_rows_first(rows)
-            packed, positions = self._pack(rows, plan, num_decode, extra)
+            packed, positions = self._pack(rows, plan, num_decode, extra, spec)
         seqs, _, num_new, samples = zip(*rows, strict=True) if rows else ((),) * 4
         if all(samples):  # (C-level when every row samples, as in decode steps)
             self.pending_rows = dict(zip(seqs, range(len(seqs)), strict=True))
@@ -105,9 +109,13 @@ class StepPacker:
         return packed
 
     def _pack(self, rows: list[ScheduledSeq], plan: CascadePlan | None, num_decode: int,
-              extra: bool = False) -> tuple[PackedStep, list[tuple[Any, int]]]:
+              extra: bool = False, spec: bool = False
+              ) -> tuple[PackedStep, list[tuple[Any, int]]]:
         cache = self.cache
         batch = pack_step(rows, self.block_size, self.buckets, cache, self.pending_rows)
+        if spec:  # a verify step (never repacked: its `spec_idx` changes every step)
+            batch |= pack_spec(rows, len(batch["kv_lens"]), batch["cu_q_lens"],
+                               batch["counters"], self.spec_k)
         positions: list[tuple[Any, int]] = []
         if extra:
             arrays, positions = pack_sampling(
@@ -122,7 +130,8 @@ class StepPacker:
             batch["num_decode"] = np.array([num_decode], np.int32)
         packed = pack_flat(batch)
         if cache is not None:  # (an extra step's arrays change every step: never repacked)
-            self.decode = None if extra else remember_decode(cache, rows, plan, packed)
+            self.decode = (None if extra or spec
+                           else remember_decode(cache, rows, plan, packed))
             cache.rows.retain([sc.seq for sc in rows])
         return packed, positions
 

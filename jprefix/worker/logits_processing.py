@@ -31,6 +31,14 @@ def process_logits(logits: jax.Array, batch: dict[str, jax.Array], token_ids: ja
     num_rows, vocab = logits.shape
     logits = logits.at[batch["bias_rows"], batch["bias_ids"]].add(batch["bias_vals"],
                                                                   mode="drop")
+    counts, listed = penalty_counts(batch, token_ids, num_rows, vocab)
+    return apply_penalties(logits, counts, listed, batch)
+
+
+def penalty_counts(batch: dict[str, jax.Array], token_ids: jax.Array, num_rows: int,
+                   vocab: int) -> tuple[jax.Array, jax.Array]:
+    """(counts [S, V] int32: each row's output tokens, a pending newest one included;
+    listed [S, V] bool: the tokens of its penalty entries, prompt and output)."""
     ids, bounds = batch["pen_ids"], batch["pen_bounds"]
     # entry j lies in segment k (row k // 2: its output tokens if k is even, its prompt's
     # if odd); padding entries get k = 2S: row S, out of range, dropped. (Unrolled: a
@@ -44,11 +52,19 @@ def process_logits(logits: jax.Array, batch: dict[str, jax.Array], token_ids: ja
     pending = (batch["token_src"][last] >= 0).astype(jnp.int32)
     counts = counts.at[jnp.arange(num_rows), token_ids[last]].add(pending, mode="drop")
     listed = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    return counts, listed
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, listed: jax.Array,
+                    batch: dict[str, jax.Array]) -> jax.Array:
+    """Repetition, frequency and presence penalties on `logits` [S, ..., V] given the
+    output-token `counts` and `listed` tokens of the same shape (broadcast)."""
     seen = (counts > 0) | listed  # (the output tokens are listed too: no matter)
-    rep = batch["repetition"][:, None]
+    per_row = (logits.shape[0],) + (1,) * (logits.ndim - 1)
+    rep, freq, pres = (batch[n].reshape(per_row) for n in ("repetition", "frequency",
+                                                            "presence"))
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return (logits - batch["frequency"][:, None] * counts
-            - batch["presence"][:, None] * (counts > 0))
+    return logits - freq * counts - pres * (counts > 0)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int

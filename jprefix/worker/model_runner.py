@@ -1,7 +1,6 @@
 """The model runner (device side of the engine): the weights in the step's layout, the
 paged KV cache, and the dispatch of packed steps (`input_batch.StepPacker`) to the jitted
-`jprefix.worker.step.step` on one launch thread.
-"""
+`jprefix.worker.step.step` on one launch thread."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from jprefix.worker.kv_cache import auto_num_blocks, empty_kv_cache, kv_dtype
 from jprefix.worker.pack import BucketConfig, bucket
 from jprefix.worker.parallel import REPLICATED, kv_sharding, tp_config
 from jprefix.worker.params import prepare_params
+from jprefix.worker.spec_verify import fetch_verify_logprobs
 from jprefix.worker.step import BACKENDS, KVCache, compiled_steps, default_backend, step_sample
 from jprefix.worker.step_handle import MasksLater, StepHandle, to_host, unorder
 from jprefix.worker.structured import step_bitmask
@@ -55,6 +55,7 @@ class ModelRunner:
         multi_process: bool = False,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        num_speculative_tokens: int = 0,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -68,7 +69,7 @@ class ModelRunner:
         running it (`channel`); the others run `multihost.follow(runner)`.
         `kv_cache_dtype` ("auto": `model_dtype`, else an fp8 format) picks the cache's
         format (`worker.kv_cache`); the block count from memory counts its bytes.
-        `quantization`: see `prepare_params`."""
+        `quantization`: see `prepare_params`; `num_speculative_tokens`: a verify step's K."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -111,7 +112,8 @@ class ModelRunner:
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
             cfg, num_blocks, block_size, self.kv_dtype, home if mesh is None else
             kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype))
-        self.packer = StepPacker(block_size, self.buckets)
+        self.packer = StepPacker(block_size, self.buckets,
+                                 num_speculative_tokens=num_speculative_tokens)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "jprefix-launch")
@@ -210,7 +212,8 @@ class ModelRunner:
         if later is not None:
             later.forward = self._last_launch
         return StepHandle(self._last_launch if later is None else later.result, len(rows),
-                          order, positions if kind.extra else None, later)
+                          order, positions if kind.extra else None, later, self.max_rows if
+                          "spec_idx" in batch else None)
 
     def update_kv_cache(self, fn: Any) -> None:
         """Queues `fn(cache) -> cache` on the launch thread after the steps dispatched so
@@ -266,7 +269,7 @@ class ModelRunner:
             layout=layout, cfg=self.cfg, backend=self.backend, decode=decode,
             greedy=greedy, cascade=cascade, mesh=self.mesh, extra=extra,
             kv_format=self.kv_format)
-        self._last_tokens = tokens
+        self._last_tokens = tokens if len(tokens) == self.max_rows else tokens[: self.max_rows]
         return tokens, (logprobs[0] if logprobs else None)
 
     def stop_followers(self) -> None:
@@ -298,18 +301,18 @@ class ModelRunner:
             return host_tokens
         return unorder(host_tokens, handle.order)
 
-    def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, tuple] | None:
+    def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, ...] | None:
         """An extra step's logprobs on the host, None for a plain step: per scheduled row
-        (in `scheduled` order) (logprob [R], rank [R], top ids [R, k], top logprobs
-        [R, k]), and the same per prompt-logprobs entry (`handle.prompt_positions`)."""
+        (in `scheduled` order) (logprob [R], rank [R], top ids [R, k], top logprobs [R, k]),
+        the same per prompt-logprobs entry (`handle.prompt_positions`), then a verify step's."""
         result = handle.tokens.result()
         if not isinstance(result, tuple):
             return None
-        rows, prompt = jax.tree.map(np.asarray, result[1])
+        rows, prompt = jax.tree.map(np.asarray, result[1][:2])
         rows = tuple(a[: handle.num_rows] for a in rows)
-        if handle.order is not None:
-            rows = tuple(unorder(a, handle.order) for a in rows)
-        return rows, tuple(a[: len(handle.prompt_positions)] for a in prompt)
+        rows = rows if handle.order is None else tuple(unorder(a, handle.order) for a in rows)
+        spec = () if handle.verify_rows is None else (fetch_verify_logprobs(handle),)
+        return rows, tuple(a[: len(handle.prompt_positions)] for a in prompt), *spec
 
     def execute(self, scheduled: Seq, plan: CascadePlan | None = None) -> np.ndarray:
         """Runs one step and waits for it (`dispatch` + `fetch`). Records (host seconds to

@@ -73,6 +73,9 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
         if q == 1 and start < len(tokens):  # (a decode of a known token)
             ids.append(tokens[start])
             continue
+        if seq.spec_token_ids:  # a verify row: its newest token, then its proposals
+            ids += tokens[start : start + 1] + seq.spec_token_ids
+            continue
         known = tokens[start : start + q]
         ids += known
         if len(known) < q:  # only the newest token can be pending

@@ -39,6 +39,7 @@ from jprefix.worker.parallel import (
     per_shard_qkv,
 )
 from jprefix.worker.sampler import sample
+from jprefix.worker.spec_verify import verify
 from jprefix.worker.step_linear import col_linear, step_experts, step_linear
 from jprefix.worker.structured import apply_token_bitmask
 from models.alibi import model_slopes
@@ -155,11 +156,11 @@ def step(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Array,
     `step_logits` then `step_sample` compute the same in two programs, for a step whose
     bitmask is filled on the host while the first runs.
     """
-    batch, token_ids, logits, prompt_logits, kv_cache = _model(
+    batch, token_ids, logits, prompt_logits, kv_cache, verify_logits = _model(
         params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra,
         kv_format)
     tokens, logprobs = _sample(logits, prompt_logits, batch, token_ids, prev_tokens,
-                               token_bitmask, greedy, extra, mesh)
+                               token_bitmask, greedy, extra, mesh, verify_logits)
     return (tokens, kv_cache) if logprobs is None else (tokens, kv_cache, logprobs)
 
 
@@ -171,7 +172,7 @@ def step_logits(params, kv_cache: KVCache, flat: jax.Array, prev_tokens: jax.Arr
     """`step` up to the logits: returns (logits [S, V] float32, the prompt-logprobs
     entries' logits (`extra`; else None), the step's token ids [T], kv_cache), which
     `step_sample` takes."""
-    _, token_ids, logits, prompt_logits, kv_cache = _model(
+    _, token_ids, logits, prompt_logits, kv_cache, _ = _model(
         params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh, extra,
         kv_format)
     return logits, prompt_logits, token_ids, kv_cache
@@ -202,7 +203,8 @@ def compiled_steps(fp8_weights: bool) -> tuple[Callable, Callable]:
 def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, cascade, mesh,
            extra, kv_format=None):
     """The model over the step's batch: (batch, token ids [T], logits [S, V], prompt
-    logits [E, V] (`extra`; else None), kv_cache)."""
+    logits [E, V] (`extra`; else None), kv_cache, a verify step's logits [S * (K+1), V]
+    at `spec_idx` (else None: `worker.spec_verify`))."""
     batch = unflatten_batch(flat, layout)
     scale = cfg.attn_scale
     src = batch["token_src"]
@@ -230,15 +232,23 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
                                linear,
                                _qkv_attention(backend, decode, cascade, mesh, cfg, batch, scale),
                                col_linear(backend, mesh), step_experts(backend, mesh))
-    logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
     prompt_logits = compute_logits(params, cfg, hidden[batch["plp_idx"]]) if extra else None
-    return batch, token_ids, logits, prompt_logits, kv_cache
+    if "spec_idx" not in batch:
+        logits = compute_logits(params, cfg, hidden[batch["logits_idx"]])
+        return batch, token_ids, logits, prompt_logits, kv_cache, None
+    # a verify step: each row's last position (`logits_idx`) is among its spec_idx, at
+    # num_draft: one logits computation serves both
+    verify_logits = compute_logits(params, cfg, hidden[batch["spec_idx"].reshape(-1)])
+    S, K1 = batch["spec_idx"].shape
+    logits = verify_logits.reshape(S, K1, -1)[jnp.arange(S), batch["num_draft"]]
+    return batch, token_ids, logits, prompt_logits, kv_cache, verify_logits
 
 
 def _sample(logits, prompt_logits, batch, token_ids, prev_tokens, token_bitmask, greedy: bool,
-            extra: bool, mesh: Mesh | None):
+            extra: bool, mesh: Mesh | None, verify_logits=None):
     """The step's tokens [P] from its logits (bitmask first, then processing and
-    sampling), and the logprobs (`extra`; else None)."""
+    sampling), and the logprobs (`extra`; else None). A verify step's tokens are
+    followed by its verified tokens [S * (K+1)] and accepted counts [S] (`spec_verify`)."""
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     logprobs = None
@@ -249,13 +259,19 @@ def _sample(logits, prompt_logits, batch, token_ids, prev_tokens, token_bitmask,
     else:
         tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                         batch["seeds"], batch["counters"])
-    return _all_rows(tokens, prev_tokens, mesh), logprobs
+    verified = None
+    if verify_logits is not None:  # (with `extra`, its tokens' logprobs join the rows')
+        verified, spec_logprobs = verify(verify_logits, batch, token_ids, greedy, extra)
+        logprobs = logprobs if spec_logprobs is None else (*logprobs, spec_logprobs)
+    return _all_rows(tokens, prev_tokens, mesh, verified), logprobs
 
 
-def _all_rows(tokens, prev_tokens, mesh: Mesh | None):
-    """The step's tokens padded to `prev_tokens`' rows; under a mesh whole on every
-    device (any process reads them from its own)."""
+def _all_rows(tokens, prev_tokens, mesh: Mesh | None, verified=None):
+    """The step's tokens padded to `prev_tokens`' rows (then a verify step's `verified`);
+    under a mesh whole on every device (any process reads them from its own)."""
     tokens = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+    if verified is not None:
+        tokens = jnp.concatenate([tokens, verified])
     if mesh is not None:
         tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, REPLICATED))
     return tokens

@@ -22,6 +22,7 @@ class StepHandle(NamedTuple):
     order: list[int] | None
     prompt_positions: list[tuple[Any, int]] | None = None
     later: MasksLater | None = None  # (dispatched with masks_later, until `sample`)
+    verify_rows: int | None = None  # a verify step: where its verified tokens start
 
 
 @dataclasses.dataclass
