@@ -17,6 +17,8 @@ from typing import Any
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.cascade import CascadePlan, CascadePlanner
 from jprefix.core.config import SchedulerConfig
+from jprefix.core.hybrid_cache import HybridPrefixPool
+from jprefix.core.hybrid_scheduler import HybridScheduler
 from jprefix.core.kv_events import KVEventSink
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
@@ -30,7 +32,7 @@ from jprefix.engine.kv_events import KVEventPublisher
 from jprefix.engine.kv_events import parse_config as parse_kv_events
 from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
-from jprefix.engine.runner_setup import build_runner, fit_max_model_len
+from jprefix.engine.runner_setup import build_runner, fit_max_model_len, hybrid_kv_groups
 from jprefix.engine.stats import EngineStats, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker.step_handle import StepHandle
@@ -59,8 +61,10 @@ class LLMEngine(EngineFront):
             model, runner = build_runner(model, self.args, devices)
         self.model, self.runner = model, runner
         cfg = model.config
+        self.kv_groups = hybrid_kv_groups(cfg, self.args)  # (a hybrid cache's; else None)
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
-                                               runner.num_blocks)
+                                               runner.num_blocks,
+                                               getattr(self.kv_groups, "num_groups", 1))
         self.kv_tier = self._make_kv_tier()
         self.scheduler = self._make_scheduler(runner.num_blocks)
         if self.args.prefix_cache_path is not None:
@@ -96,6 +100,8 @@ class LLMEngine(EngineFront):
             max_model_len=self.max_model_len,
         )
         blocks = BlockManager(num_blocks, self.args.block_size)
+        if self.kv_groups is not None:  # pages of a table per layer group (core.kv_groups)
+            return HybridScheduler(cfg, blocks, HybridPrefixPool(blocks, self.kv_groups))
         host = None if self.kv_tier is None else self.kv_tier.pool
         return Scheduler(cfg, blocks, PrefixPool(blocks, host),
                          sliding_window=self.model.config.uniform_sliding_window)
@@ -124,6 +130,10 @@ class LLMEngine(EngineFront):
     def save_prefix_cache(self, path: str) -> int:
         """Writes the prefix cache of both tiers to `path` (`prefix_cache_file`); returns
         the blocks written. Waits for the steps in flight."""
+        if self.kv_groups is not None:
+            raise ValueError("save_prefix_cache: a hybrid KV cache (a model mixing window "
+                             "and full layers) is not saved; set "
+                             "disable_hybrid_kv_cache_manager=True")
         with self._step_lock:
             return save_prefix_cache(self.prefix_pool, self.kv_tier, self.runner, path,
                                      prefix_cache_file.identity(self))

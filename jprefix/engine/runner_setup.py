@@ -8,11 +8,13 @@ from typing import Any
 
 import jax
 
+from jprefix.core.kv_groups import KVCacheGroups, kv_cache_groups
 from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.worker import multihost, xla_flags
 from jprefix.worker.model_runner import ModelRunner
 from jprefix.worker.pack import BucketConfig
 from jprefix.worker.parallel import make_mesh, placed_on
+from models.config import ModelConfig
 from models.loader import LoadedModel, load, model_config
 
 
@@ -65,6 +67,7 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
         kv_cache_dtype=args.kv_cache_dtype,
         # an fp8 checkpoint, loaded dequantised, is served in fp8 (models.config)
         quantization=args.quantization or cfg.checkpoint_quantization,
+        kv_groups=hybrid_kv_groups(cfg, args),
     )
     if multi:  # processes other than 0 follow process 0's steps here, then exit
         multihost.start(runner)
@@ -73,7 +76,24 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
     return model, runner
 
 
-def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
+def hybrid_kv_groups(cfg: ModelConfig, args: EngineArgs) -> KVCacheGroups | None:
+    """The KV cache groups of a model mixing window and full layers (`core.kv_groups`),
+    unless `disable_hybrid_kv_cache_manager`; None: one block table for every layer.
+    The host tier and saved prefix caches store one block per trie node, every layer in
+    it: with a page per group they would need a node's pages of all groups moved as one,
+    which is not built, so they are refused for a hybrid cache."""
+    groups = None if args.disable_hybrid_kv_cache_manager else kv_cache_groups(
+        cfg.layer_windows)
+    if groups is not None and (args.kv_offloading_size or args.prefix_cache_path):
+        raise ValueError(
+            f"kv_offloading_size={args.kv_offloading_size} / prefix_cache_path="
+            f"{args.prefix_cache_path!r}: the host tier does not hold a hybrid KV cache (a "
+            "model mixing window and full layers); set disable_hybrid_kv_cache_manager=True")
+    return groups
+
+
+def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int,
+                      num_groups: int = 1) -> int:
     """The context length requests are validated against: one sequence of that many
     tokens always fits in the KV cache alone (block 0 is the null block), so a request the
     engine accepts can always finish, preempting others as needed.
@@ -81,8 +101,9 @@ def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
     An explicit `max_model_len` must fit the model and the cache (else ValueError). Without
     one: the model's length, capped to the cache when the user sized the cache
     (`num_kv_blocks`); a cache sized from memory that cannot hold the model's length is
-    refused, naming what to change."""
-    capacity = (num_blocks - 1) * args.block_size
+    refused, naming what to change. A hybrid cache (`num_groups` > 1) holds a block of
+    tokens in one page per group."""
+    capacity = (num_blocks - 1) // num_groups * args.block_size
     cache = (f"the KV cache ({num_blocks - 1} blocks of {args.block_size} tokens = "
              f"{capacity} tokens)")
     if args.max_model_len is not None:

@@ -18,8 +18,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jprefix.core.cascade import CascadePlan
+from jprefix.core.kv_groups import KVCacheGroups
 from jprefix.core.scheduler import ScheduledSeq, is_decode_step
 from jprefix.worker.flat_batch import PackedStep, pack_flat
+from jprefix.worker.hybrid_kv import pack_group_tables
 from jprefix.worker.pack import BucketConfig, PackCache, pack_cascade, pack_step
 from jprefix.worker.pack_sampling import pack_sampling
 from jprefix.worker.repack import DecodeStep, remember_decode, repack_decode
@@ -58,10 +60,14 @@ class StepPacker:
     """Packs the steps of one runner, in dispatch order.
 
     `reuse=False` packs every step afresh (no state carried between steps besides the
-    pending rows); the packed buffers are the same either way."""
+    pending rows); the packed buffers are the same either way. `kv_groups`: a hybrid KV
+    cache's (`worker.hybrid_kv`): every step also carries the other groups' tables, and
+    is packed afresh (window groups replace their tables as they free)."""
 
-    def __init__(self, block_size: int, buckets: BucketConfig, reuse: bool = True):
+    def __init__(self, block_size: int, buckets: BucketConfig, reuse: bool = True,
+                 kv_groups: KVCacheGroups | None = None):
         self.block_size, self.buckets = block_size, buckets
+        self.num_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.cache = PackCache() if reuse else None
         self.decode: DecodeStep | None = None  # the last step, if a reusable decode step
         self.penalty_entries = 0  # the most penalty entries an extra step has sent
@@ -77,7 +83,7 @@ class StepPacker:
         order = plan.order if plan is not None else None
         rows = list(scheduled) if order is None else list(map(scheduled.__getitem__, order))
         extra = any(map(_SAMPLING_EXTRA, map(_SEQ, rows)))
-        packed = None if extra else self._repack(rows, plan)
+        packed = None if extra or self.num_groups > 1 else self._repack(rows, plan)
         num_decode, positions = 0, []
         if packed is None:
             if plan is None:
@@ -109,6 +115,8 @@ class StepPacker:
         cache = self.cache
         batch = pack_step(rows, self.block_size, self.buckets, cache, self.pending_rows)
         positions: list[tuple[Any, int]] = []
+        if self.num_groups > 1:
+            batch |= pack_group_tables(rows, batch, self.block_size, self.num_groups)
         if extra:
             arrays, positions = pack_sampling(
                 rows, len(batch["kv_lens"]), batch["cu_q_lens"],

@@ -55,6 +55,7 @@ class ModelRunner:
         multi_process: bool = False,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        kv_groups: Any = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -68,7 +69,7 @@ class ModelRunner:
         running it (`channel`); the others run `multihost.follow(runner)`.
         `kv_cache_dtype` ("auto": `model_dtype`, else an fp8 format) picks the cache's
         format (`worker.kv_cache`); the block count from memory counts its bytes.
-        `quantization`: see `prepare_params`."""
+        `quantization`: see `prepare_params`; `kv_groups`: a hybrid cache's (`hybrid_kv`)."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -97,7 +98,8 @@ class ModelRunner:
             num_blocks = auto_num_blocks(cfg, block_size, self.kv_dtype, memory_fraction,
                                          cpu_num_blocks, 1 if mesh is None else mesh.size,
                                          device if mesh is None else
-                                         mesh.devices.flat[0] if not multi_process else None)
+                                         mesh.devices.flat[0] if not multi_process else None,
+                                         kv_groups and kv_groups.page_layers)
             if multi_process:  # one global cache: the size every process has room for
                 num_blocks = multihost.smallest(num_blocks)
         self.num_blocks = num_blocks
@@ -110,8 +112,9 @@ class ModelRunner:
         self.kv_format = bits_format(self.kv_dtype, backend, mesh)  # (`worker.kv_bits`)
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
             cfg, num_blocks, block_size, self.kv_dtype, home if mesh is None else
-            kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype))
-        self.packer = StepPacker(block_size, self.buckets)
+            kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype),
+            layers=kv_groups and kv_groups.page_layers)
+        self.packer = StepPacker(block_size, self.buckets, kv_groups=kv_groups)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "jprefix-launch")
