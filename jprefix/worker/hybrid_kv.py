@@ -38,18 +38,19 @@ def group_view(groups: KVCacheGroups | None, layer: Any, batch: dict) -> tuple[A
         return layer, batch
     try:  # a concrete layer index (unrolled layers): static group and slot
         i = operator.index(layer)
-        group, slot = groups.layer_group[i], groups.layer_slot[i]
     except TypeError:  # traced (lax.scan): read from the tables
         group = jnp.asarray(groups.layer_group, jnp.int32)[layer]
         slot = jnp.asarray(groups.layer_slot, jnp.int32)[layer]
-    tables = jnp.concatenate([batch["block_tables"][None], batch["group_block_tables"]])
-    slots = jnp.concatenate([batch["slot_mapping"][None], batch["group_slot_mapping"]])
-    if isinstance(group, int):
-        tables, slots = tables[group], slots[group]
-    else:
-        tables = jax.lax.dynamic_index_in_dim(tables, group, keepdims=False)
-        slots = jax.lax.dynamic_index_in_dim(slots, group, keepdims=False)
-    return slot, {**batch, "block_tables": tables, "slot_mapping": slots}
+        tables = jnp.concatenate([batch["block_tables"][None], batch["group_block_tables"]])
+        slots = jnp.concatenate([batch["slot_mapping"][None], batch["group_slot_mapping"]])
+        return slot, {**batch,
+                      "block_tables": jax.lax.dynamic_index_in_dim(tables, group, 0, False),
+                      "slot_mapping": jax.lax.dynamic_index_in_dim(slots, group, 0, False)}
+    group, slot = groups.layer_group[i], groups.layer_slot[i]
+    if group == 0:
+        return slot, batch
+    return slot, {**batch, "block_tables": batch["group_block_tables"][group - 1],
+                  "slot_mapping": batch["group_slot_mapping"][group - 1]}
 
 
 def pack_group_tables(rows: Seq[Any], batch: dict[str, np.ndarray], block_size: int,
