@@ -93,7 +93,9 @@ class EngineArgs:
     # (jprefix.engine.dp_engine); routing_policy: jprefix.core.routing's spec
     data_parallel_size: int = 1
     routing_policy: str = "prefix"
-    cpu_num_kv_blocks: int = 4096  # when device memory cannot be measured (CPU)
+    # KV blocks where device memory cannot be measured (CPU); None: as many as fit in
+    # 1 GiB, at most 4,096 (a laptop's default must not zero gigabytes at start-up)
+    cpu_num_kv_blocks: int | None = None
     # step inputs in device buffers refilled in place (model_runner.FixedInputs); None:
     # where XLA records command buffers (jprefix.worker.xla_flags)
     fixed_inputs: bool | None = None

@@ -35,7 +35,8 @@ HELP = {
     "async_scheduling": "schedule step N+1 while step N runs on the device",
     "seed": "seed of requests that give none",
     "tensor_parallel_size": "devices the weights and KV heads are split over",
-    "cpu_num_kv_blocks": "KV-cache blocks where device memory cannot be measured (CPU)",
+    "cpu_num_kv_blocks": "KV-cache blocks where device memory cannot be measured (CPU; "
+                         "default: what fits in 1 GiB, at most 4096)",
     "fixed_inputs": "step inputs in device buffers refilled in place (default: where XLA "
                     "records command buffers)",
     "coordinator_address": "multi-host: host:port of process 0's jax.distributed coordinator "

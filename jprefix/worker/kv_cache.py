@@ -82,12 +82,18 @@ def scale_kwargs(cache: KVCache) -> dict[str, jax.Array]:
     return {"k_scale": cache[2], "v_scale": cache[3]}
 
 
+CPU_KV_BYTES = 1 << 30  # the CPU default cache: start-up zeroes it, so it stays small
+CPU_MAX_BLOCKS = 4096
+
+
 def auto_num_blocks(
-    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float, cpu_blocks: int,
+    cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float,
+    cpu_blocks: int | None,
     num_shards: int = 1, device: Any = None, layers: int | None = None,
 ) -> int:
     """KV blocks that fit in `memory_fraction` of the device memory free now on `device`
-    (default: this process's first; `cpu_blocks` where device memory cannot be measured);
+    (default: this process's first; `cpu_blocks` where device memory cannot be measured,
+    None: as many as fit in `CPU_KV_BYTES`, at most `CPU_MAX_BLOCKS`);
     each of `num_shards` devices holds 1/num_shards of every block. `dtype` is the cache's
     element dtype (an fp8 one counts its scales).
 
@@ -96,7 +102,10 @@ def auto_num_blocks(
     replica's device) leave holes that add to the free total but hold no cache array."""
     stats = (device or jax.local_devices()[0]).memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
-        return cpu_blocks
+        if cpu_blocks is not None:
+            return cpu_blocks
+        block = kv_block_bytes(cfg, block_size, dtype, layers)
+        return max(2, min(CPU_MAX_BLOCKS, CPU_KV_BYTES // block))
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     free = min(free, stats.get("largest_free_block_bytes", free))
     per_device = kv_block_bytes(cfg, block_size, dtype, layers) // num_shards

@@ -46,7 +46,7 @@ class ModelRunner:
         buckets: BucketConfig | None = None,
         unroll_layers: bool | None = None,
         memory_fraction: float = 0.9,
-        cpu_num_blocks: int = 4096,
+        cpu_num_blocks: int | None = None,
         mesh: Mesh | None = None,
         max_num_seqs: int = 256,
         fixed_inputs: bool | None = None,
