@@ -3,7 +3,7 @@ layer: three groups of one layer per page): greedy tokens with the prefix cache 
 explicit and automatic (a cached prefix longer than the window is hit) equal to the dense
 reference and to one block table for every layer (`disable_hybrid_kv_cache_manager`);
 window pages freed as a sequence decodes; the same memory serving sequences that one
-table must preempt; the host tier and saved caches refused by name. (Pallas kernels on
+table must preempt, and a hybrid run that preempts; the host tier and saved caches refused by name. (Pallas kernels on
 the hybrid cache: tests/test_gemma3.py; two devices: tests/test_window_model.py.)
 """
 
@@ -38,7 +38,8 @@ def test_hybrid_greedy_equals_dense_and_one_table(gemma, mode):  # noqa: F811
     _, model = gemma
     prompts = _prompts(4, 3 * WINDOW, [2, 13, 27])  # 50-75 tokens, windows of 16
     llm = LLM(model, block_size=BS, num_kv_blocks=160, enable_prefix_caching=mode != "off",
-              disable_hybrid_kv_cache_manager=mode == "one table")
+              disable_hybrid_kv_cache_manager=mode == "one table", enable_cascade=True,
+              cascade_min_group=2, cascade_min_blocks=1)
     engine = llm.engine
     assert (engine.kv_groups is None) == (mode == "one table")
     if engine.kv_groups is not None:  # a page holds one layer: [P=1, K, N, B, D]
@@ -51,6 +52,10 @@ def test_hybrid_greedy_equals_dense_and_one_table(gemma, mode):  # noqa: F811
         assert [o.token_ids for o in outs] == want
     if mode != "off":
         assert all(o.num_cached_tokens >= 3 * WINDOW for o in outs)
+    # cascade plans only for one table (a hybrid group's shared table would not hold its
+    # members' window pages: they free them at their own positions)
+    cascade = any(shape[4] for shape in engine.runner.shapes_seen)
+    assert cascade == (mode == "one table")
     bm = engine.scheduler.block_manager
     engine.prefix_pool.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks - 1
@@ -93,12 +98,14 @@ def test_same_memory_serves_without_the_preemptions_one_table_needs(gemma):  # n
     sp = _greedy(40)
     want = _dense(model, prompts, 40)
     runs = {}
-    for hybrid, blocks in ((True, 90), (False, 30)):
+    for hybrid, blocks in ((True, 90), (False, 30), (True, 48)):  # (48: hybrid preempts)
         llm = LLM(model, block_size=BS, num_kv_blocks=blocks, max_num_batched_tokens=32,
                   enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid)
         assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
-        runs[hybrid] = llm.engine.stats.num_preemptions
-    assert runs[True] == 0 < runs[False]
+        runs[hybrid, blocks] = llm.engine.stats.num_preemptions
+        bm = llm.engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks - 1
+    assert runs[True, 90] == 0 < runs[False, 30] and runs[True, 48] > 0
 
 
 @pytest.mark.parametrize("kw", [dict(kv_offloading_size=0.001),
