@@ -143,12 +143,13 @@ def test_freed_window_blocks_let_long_sequences_run_without_preemption(mistral):
 @pytest.mark.parametrize("backend,unroll", [("xla", False), (PALLAS, False), (PALLAS, True)])
 def test_engine_mixed_window_and_full_layers_equal_dense(qwen2_mixed, backend, unroll):
     """Stacked layers read each layer's window at the traced layer (cascade under
-    lax.cond); unrolled ones get it static."""
+    lax.cond); unrolled ones get it static. (One block table for every layer: the
+    hybrid cache, which plans no cascade, is tests/test_hybrid_engine.py's.)"""
     _, model = qwen2_mixed
     prompts = _prompts(3, 40, [2, 21])
     llm = LLM(model, block_size=BS, num_kv_blocks=64, enable_cascade=True,
               cascade_min_group=2, cascade_min_blocks=1, attention_backend=backend,
-              unroll_layers=unroll)
+              unroll_layers=unroll, disable_hybrid_kv_cache_manager=True)
     for _ in range(2):
         outs = llm.generate(prompts, _greedy(10), use_tqdm=False)
         for p, o in zip(prompts, outs, strict=True):

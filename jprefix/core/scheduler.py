@@ -32,6 +32,7 @@ from jprefix.core.spec_decode import Speculator, accept, truncate
 
 class Scheduler:
     """Host-side scheduler; `schedule()` and `update()` alternate, one pair per step."""
+    release_window = staticmethod(release_outside_window)  # (a hybrid model's: per group)
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  prefix_pool: PrefixPool, sliding_window: int | None = None,
@@ -69,8 +70,7 @@ class Scheduler:
         """Ends a sequence (the engine calls this on a stop string) and frees its blocks."""
         self.running.pop(seq.request_id, None)
         self.waiting.remove(seq.request_id)
-        self.block_manager.free(seq.block_table)
-        seq.block_table = []
+        self.block_manager.free(seq.release_blocks())
         seq.set_finished(reason)
 
     def has_unfinished(self) -> bool:
@@ -105,7 +105,7 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             if window is not None and start >= window + block_size - 1:
-                release_outside_window(seq, start, window, self.block_manager)
+                self.release_window(seq, start, window, self.block_manager)
             scheduled_tokens = len(seq.all_token_ids) + seq.num_pending
             remaining = scheduled_tokens - start
             if remaining == 0 or scheduled_tokens >= seq.token_limit:
@@ -179,8 +179,8 @@ class Scheduler:
             if self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)):
                 return -1
         if self.sliding_window is not None and seq.num_computed_tokens:  # (idempotent)
-            release_outside_window(seq, seq.num_computed_tokens, self.sliding_window,
-                                   self.block_manager)
+            self.release_window(seq, seq.num_computed_tokens, self.sliding_window,
+                                self.block_manager)
         remaining = seq.num_tokens - seq.num_computed_tokens
         chunk = self._can_chunk(seq)
         n = self._tokens_that_fit(seq, min(remaining, budget) if chunk else remaining)

@@ -66,6 +66,9 @@ class Sequence:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # a hybrid model's other KV cache groups' tables (`core.kv_groups`; [] otherwise),
+        # as long as block_table, null entries where a window group freed the block
+        self.group_tables: list[list[int]] = []
         self.num_registered_blocks = 0  # leading blocks of block_table that are trie nodes
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
@@ -143,9 +146,18 @@ class Sequence:
         self.status = FINISHED_STATUS[reason]
         self.finish_reason = reason
 
+    def release_blocks(self) -> list[int]:
+        """Empties the block tables; returns the blocks they held in token order, a token
+        block's groups together (`BlockManager.free` releases them deepest first)."""
+        blocks = (self.block_table if not self.group_tables else
+                  [b for blocks in zip(self.block_table, *self.group_tables, strict=True)
+                   for b in blocks])
+        self.block_table, self.group_tables = [], []
+        return blocks
+
     def reset_blocks(self) -> list[int]:
         """Forgets the sequence's cache state (preemption); returns the blocks it held."""
-        blocks, self.block_table = self.block_table, []
+        blocks = self.release_blocks()
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         return blocks

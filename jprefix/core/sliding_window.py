@@ -7,7 +7,7 @@ scheduler frees such blocks as the sequence advances (and at once after a prefix
 longer than the window), so a sequence holds about w / B + its chunk's blocks, not its
 whole context. The freed entries of its block table become the null block 0, which the
 attention ops never read there (their key loops start inside the window). A model
-mixing window and full layers keeps every block: its full layers read them all.
+mixing window and full layers frees per layer group instead (`hybrid_scheduler.py`).
 
 Freed blocks that are prefix-trie nodes stay cached and matchable until evicted, like
 any released block. A window sequence frees a path's parent before its children, so

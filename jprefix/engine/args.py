@@ -80,6 +80,9 @@ class EngineArgs:
     attention_backend: str | None = None
     unroll_layers: bool | None = None  # None: unrolled on GPU, one lax.scan elsewhere
     enable_cascade: bool = True  # decode attends each shared prefix once per group
+    # a model mixing window and full layers keeps every layer's blocks (one table), not
+    # a table per layer group with window blocks freed (core.kv_groups); vLLM's name
+    disable_hybrid_kv_cache_manager: bool = False
     cascade_min_group: int = 8  # sequences sharing a prefix before a group pays off
     cascade_min_blocks: int = 4  # shared blocks before a group pays off
     # Schedule and dispatch step N+1 before step N's tokens reach the host, so the host

@@ -15,13 +15,11 @@ import threading
 import time
 from typing import Any
 
-from jprefix.core.block_manager import BlockManager
 from jprefix.core.cascade import CascadePlan, CascadePlanner
-from jprefix.core.config import SchedulerConfig
 from jprefix.core.kv_events import KVEventSink
 from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
-from jprefix.core.scheduler import Scheduler, SchedulerOutput
+from jprefix.core.scheduler import SchedulerOutput
 from jprefix.core.sequence import Sequence
 from jprefix.core.spec_decode import Speculator
 from jprefix.engine import prefix_cache_file
@@ -33,7 +31,12 @@ from jprefix.engine.kv_events import KVEventPublisher
 from jprefix.engine.kv_events import parse_config as parse_kv_events
 from jprefix.engine.kv_tier import KVTier, host_summary, save_prefix_cache
 from jprefix.engine.output_processor import OutputProcessor
-from jprefix.engine.runner_setup import build_runner, fit_max_model_len
+from jprefix.engine.runner_setup import (
+    build_runner,
+    fit_max_model_len,
+    hybrid_kv_groups,
+    make_scheduler,
+)
 from jprefix.engine.spec_stats import apply_verified
 from jprefix.engine.stats import EngineStats, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
@@ -63,12 +66,15 @@ class LLMEngine(EngineFront):
             model, runner, draft = build_runner(model, self.args, devices)
         self.model, self.runner = model, runner
         cfg = model.config
+        self.kv_groups = hybrid_kv_groups(cfg, self.args)  # (a hybrid cache's; else None)
         self.max_model_len = fit_max_model_len(self.args, cfg.max_position_embeddings,
-                                               runner.num_blocks)
+                                               runner.num_blocks,
+                                               getattr(self.kv_groups, "num_groups", 1))
         self.kv_tier = self._make_kv_tier()
         self.speculator = (spec := self.args.speculative_config) and Speculator(spec)
         self._async = self.args.async_scheduling and self.speculator is None
-        self.scheduler = self._make_scheduler(runner.num_blocks)
+        self.scheduler = make_scheduler(self.args, cfg, runner.num_blocks, self.max_model_len,
+                                        self.kv_groups, self.kv_tier, self.speculator)
         self.drafter = draft and Drafter(draft, self.prefix_pool.trie)  # (`draft_model`)
         if self.args.prefix_cache_path is not None:
             self.kv_tier.load_file(self.args.prefix_cache_path, prefix_cache_file.identity(self))
@@ -91,22 +97,6 @@ class LLMEngine(EngineFront):
         self._inflight: _InFlight | None = None  # dispatched, tokens not yet processed
         self._last_processed = 0.0
         self.num_requests = 0  # requests the scheduler received
-
-    def _make_scheduler(self, num_blocks: int) -> Scheduler:
-        cfg = SchedulerConfig(
-            max_num_seqs=self.args.max_num_seqs,
-            max_num_batched_tokens=self.args.max_num_batched_tokens,
-            enable_prefix_caching=self.args.enable_prefix_caching,
-            enable_chunked_prefill=self.args.enable_chunked_prefill,
-            policy=self.args.policy,
-            eos_token_ids=frozenset(self.model.config.eos_token_ids),
-            max_model_len=self.max_model_len,
-        )
-        blocks = BlockManager(num_blocks, self.args.block_size)
-        host = None if self.kv_tier is None else self.kv_tier.pool
-        return Scheduler(cfg, blocks, PrefixPool(blocks, host),
-                         sliding_window=self.model.config.uniform_sliding_window,
-                         speculator=self.speculator)
 
     def _make_kv_tier(self) -> KVTier | None:
         """The host tier (kv_offloading_size, or the blocks of prefix_cache_path)."""
@@ -132,6 +122,10 @@ class LLMEngine(EngineFront):
     def save_prefix_cache(self, path: str) -> int:
         """Writes the prefix cache of both tiers to `path` (`prefix_cache_file`); returns
         the blocks written. Waits for the steps in flight."""
+        if self.kv_groups is not None:
+            raise ValueError("save_prefix_cache: a hybrid KV cache (a model mixing window "
+                             "and full layers) is not saved; set "
+                             "disable_hybrid_kv_cache_manager=True")
         with self._step_lock:
             return save_prefix_cache(self.prefix_pool, self.kv_tier, self.runner, path,
                                      prefix_cache_file.identity(self))

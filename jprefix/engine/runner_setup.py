@@ -1,5 +1,6 @@
-"""The engine's device side set up: the model loaded and placed, its runner built (the one
-place the mesh is made), and the context length the KV cache can serve."""
+"""The engine's parts set up: the model loaded and placed, its runner built (the one place
+the mesh is made), the context length the KV cache can serve, and the scheduler over that
+cache (one block table, or a table per layer group)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ from typing import Any
 
 import jax
 
+from jprefix.core.block_manager import BlockManager
+from jprefix.core.config import SchedulerConfig
+from jprefix.core.hybrid_cache import HybridPrefixPool
+from jprefix.core.hybrid_scheduler import HybridScheduler
+from jprefix.core.kv_groups import KVCacheGroups, kv_cache_groups
+from jprefix.core.prefix_cache import PrefixPool
+from jprefix.core.scheduler import Scheduler
+from jprefix.core.spec_decode import Speculator
 from jprefix.engine.args import EngineArgs, resolve_dtype
 from jprefix.engine.drafter import load_draft
 from jprefix.worker import multihost, xla_flags
@@ -16,6 +25,7 @@ from jprefix.worker.kv_cache import kv_block_bytes, kv_dtype
 from jprefix.worker.model_runner import ModelRunner
 from jprefix.worker.pack import BucketConfig
 from jprefix.worker.parallel import make_mesh, placed_on
+from models.config import ModelConfig
 from models.loader import LoadedModel, load, model_config
 
 
@@ -76,6 +86,7 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
         quantization=args.quantization or cfg.checkpoint_quantization,
         num_speculative_tokens=(0 if args.speculative_config is None
                                 else args.speculative_config.num_speculative_tokens),
+        kv_groups=hybrid_kv_groups(cfg, args),
     )
     if draft is not None:
         draft.allocate_cache(runner.num_blocks)
@@ -86,7 +97,46 @@ def build_runner(model: LoadedModel | str, args: EngineArgs, devices: list[Any] 
     return model, runner, draft
 
 
-def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
+def hybrid_kv_groups(cfg: ModelConfig, args: EngineArgs) -> KVCacheGroups | None:
+    """The KV cache groups of a model mixing window and full layers (`core.kv_groups`),
+    unless `disable_hybrid_kv_cache_manager`; None: one block table for every layer.
+    The host tier and saved prefix caches store one block per trie node, every layer in
+    it: with a page per group they would need a node's pages of all groups moved as one,
+    which is not built, so they are refused for a hybrid cache."""
+    groups = None if args.disable_hybrid_kv_cache_manager else kv_cache_groups(
+        cfg.layer_windows)
+    if groups is not None and args.speculative_config is not None:
+        raise ValueError("speculative_config: speculative decoding does not run on a hybrid KV "
+                         "cache (a model mixing window and full layers); set "
+                         "disable_hybrid_kv_cache_manager=True")
+    if groups is not None and (args.kv_offloading_size or args.prefix_cache_path):
+        raise ValueError(
+            f"kv_offloading_size={args.kv_offloading_size} / prefix_cache_path="
+            f"{args.prefix_cache_path!r}: the host tier does not hold a hybrid KV cache (a "
+            "model mixing window and full layers); set disable_hybrid_kv_cache_manager=True")
+    return groups
+
+
+def make_scheduler(args: EngineArgs, cfg: ModelConfig, num_blocks: int, max_model_len: int,
+                   kv_groups: KVCacheGroups | None, kv_tier: Any,
+                   speculator: Speculator | None) -> Scheduler:
+    """The scheduler over a cache of `num_blocks`: a `HybridScheduler` for `kv_groups`
+    (pages of a table per layer group, `core.kv_groups`), else one block table per
+    sequence, the host tier's pool (`kv_tier`, None: no tier) under its prefix cache."""
+    sched = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
+        eos_token_ids=frozenset(cfg.eos_token_ids), max_model_len=max_model_len)
+    blocks = BlockManager(num_blocks, args.block_size)
+    if kv_groups is not None:
+        return HybridScheduler(sched, blocks, HybridPrefixPool(blocks, kv_groups))
+    return Scheduler(sched, blocks, PrefixPool(blocks, None if kv_tier is None else kv_tier.pool),
+                     sliding_window=cfg.uniform_sliding_window, speculator=speculator)
+
+
+def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int,
+                      num_groups: int = 1) -> int:
     """The context length requests are validated against: one sequence of that many
     tokens always fits in the KV cache alone (block 0 is the null block), so a request the
     engine accepts can always finish, preempting others as needed.
@@ -94,8 +144,9 @@ def fit_max_model_len(args: EngineArgs, model_max: int, num_blocks: int) -> int:
     An explicit `max_model_len` must fit the model and the cache (else ValueError). Without
     one: the model's length, capped to the cache when the user sized the cache
     (`num_kv_blocks`); a cache sized from memory that cannot hold the model's length is
-    refused, naming what to change."""
-    capacity = (num_blocks - 1) * args.block_size
+    refused, naming what to change. A hybrid cache (`num_groups` > 1) holds a block of
+    tokens in one page per group."""
+    capacity = (num_blocks - 1) // num_groups * args.block_size
     cache = (f"the KV cache ({num_blocks - 1} blocks of {args.block_size} tokens = "
              f"{capacity} tokens)")
     if args.max_model_len is not None:

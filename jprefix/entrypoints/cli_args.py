@@ -28,6 +28,8 @@ HELP = {
     "attention_backend": "pallas, xla or pallas-interpret (default: pallas on GPU)",
     "unroll_layers": "per-layer weight buffers (default: on GPU)",
     "enable_cascade": "decode attends each shared prefix once per group",
+    "disable_hybrid_kv_cache_manager": "a model mixing window and full layers keeps every "
+                                       "layer's blocks instead of freeing window blocks",
     "cascade_min_group": "sequences sharing a prefix before cascade attention groups them",
     "cascade_min_blocks": "shared blocks before cascade attention groups them",
     "async_scheduling": "schedule step N+1 while step N runs on the device",

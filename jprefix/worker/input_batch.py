@@ -18,8 +18,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jprefix.core.cascade import CascadePlan
+from jprefix.core.kv_groups import KVCacheGroups
 from jprefix.core.scheduler import ScheduledSeq, is_decode_step
 from jprefix.worker.flat_batch import PackedStep, pack_flat
+from jprefix.worker.hybrid_kv import pack_group_tables
 from jprefix.worker.pack import BucketConfig, PackCache, pack_cascade, pack_step
 from jprefix.worker.pack_sampling import pack_sampling
 from jprefix.worker.repack import DecodeStep, remember_decode, repack_decode
@@ -59,12 +61,15 @@ class StepPacker:
     """Packs the steps of one runner, in dispatch order.
 
     `reuse=False` packs every step afresh (no state carried between steps besides the
-    pending rows); the packed buffers are the same either way."""
+    pending rows); the packed buffers are the same either way. `kv_groups`: a hybrid KV
+    cache's (`worker.hybrid_kv`): every step also carries the other groups' tables, and
+    is packed afresh (window groups replace their tables as they free)."""
 
     def __init__(self, block_size: int, buckets: BucketConfig, reuse: bool = True,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, kv_groups: KVCacheGroups | None = None):
         self.block_size, self.buckets = block_size, buckets
         self.spec_k = num_speculative_tokens  # a verify step's K (`spec_verify`)
+        self.num_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.cache = PackCache() if reuse else None
         self.decode: DecodeStep | None = None  # the last step, if a reusable decode step
         self.penalty_entries = 0  # the most penalty entries an extra step has sent
@@ -81,7 +86,7 @@ class StepPacker:
         rows = list(scheduled) if order is None else list(map(scheduled.__getitem__, order))
         extra = any(map(_SAMPLING_EXTRA, map(_SEQ, rows)))
         spec = self.spec_k > 0 and any(sc.seq.spec_token_ids for sc in rows)
-        packed = None if extra or spec else self._repack(rows, plan)
+        packed = None if extra or spec or self.num_groups > 1 else self._repack(rows, plan)
         num_decode, positions = 0, []
         if packed is None:
             if plan is None:
@@ -117,6 +122,8 @@ class StepPacker:
             batch |= pack_spec(rows, len(batch["kv_lens"]), batch["cu_q_lens"],
                                batch["counters"], self.spec_k)
         positions: list[tuple[Any, int]] = []
+        if self.num_groups > 1:
+            batch |= pack_group_tables(rows, batch, self.block_size, self.num_groups)
         if extra:
             arrays, positions = pack_sampling(
                 rows, len(batch["kv_lens"]), batch["cu_q_lens"],

@@ -49,21 +49,24 @@ def check_fp8_device(what: str) -> None:
                          f"{dev.device_kind} has {cc}")
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
-    """Bytes of one physical block across all layers, K and V (and their scales)."""
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any, layers: int | None = None
+                   ) -> int:
+    """Bytes of one physical block across all layers (or a hybrid cache's page of
+    `layers` slots, `worker.hybrid_kv`), K and V (and their scales)."""
     row = cfg.head_dim * jnp.dtype(dtype).itemsize
     if is_fp8(dtype):
         row += SCALE_DTYPE.itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * row
+    return 2 * (layers or cfg.num_layers) * cfg.num_kv_heads * block_size * row
 
 
 def empty_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any,
-                   sharding: Any = None, stored_as: Any = None) -> KVCache:
+                   sharding: Any = None, stored_as: Any = None, layers: int | None = None
+                   ) -> KVCache:
     """A zeroed cache of `num_blocks` blocks, created in place (sharded by kv heads under
     `sharding`); fp8 scales start at 1 (never 0). `stored_as`: the integer dtype whose
     bits hold the values (`worker.kv_bits`, the CPU's fp8 and 16-bit caches); zero bits
-    are zeros in every float format."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    are zeros in every float format. `layers`: a hybrid cache's slots per page."""
+    shape = (layers or cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     store = dtype if stored_as is None else stored_as
     zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
     if not is_fp8(dtype):
@@ -86,7 +89,7 @@ CPU_MAX_BLOCKS = 4096
 def auto_num_blocks(
     cfg: ModelConfig, block_size: int, dtype: Any, memory_fraction: float,
     cpu_blocks: int | None,
-    num_shards: int = 1, device: Any = None,
+    num_shards: int = 1, device: Any = None, layers: int | None = None,
 ) -> int:
     """KV blocks that fit in `memory_fraction` of the device memory free now on `device`
     (default: this process's first; `cpu_blocks` where device memory cannot be measured,
@@ -101,8 +104,9 @@ def auto_num_blocks(
     if "bytes_limit" not in stats:  # CPU: no device memory to size from
         if cpu_blocks is not None:
             return cpu_blocks
-        return max(2, min(CPU_MAX_BLOCKS, CPU_KV_BYTES // kv_block_bytes(cfg, block_size, dtype)))
+        block = kv_block_bytes(cfg, block_size, dtype, layers)
+        return max(2, min(CPU_MAX_BLOCKS, CPU_KV_BYTES // block))
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     free = min(free, stats.get("largest_free_block_bytes", free))
-    per_device = kv_block_bytes(cfg, block_size, dtype) // num_shards
+    per_device = kv_block_bytes(cfg, block_size, dtype, layers) // num_shards
     return max(2, int(free * memory_fraction) // per_device)

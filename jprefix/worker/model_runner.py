@@ -56,6 +56,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         num_speculative_tokens: int = 0,
+        kv_groups: Any = None,
     ):
         """`num_blocks` None sizes the KV cache from `memory_fraction` of the device memory
         free once the weights are placed; `mesh` (`parallel.make_mesh`) shards weights and
@@ -69,7 +70,8 @@ class ModelRunner:
         running it (`channel`); the others run `multihost.follow(runner)`.
         `kv_cache_dtype` ("auto": `model_dtype`, else an fp8 format) picks the cache's
         format (`worker.kv_cache`); the block count from memory counts its bytes.
-        `quantization`: see `prepare_params`; `num_speculative_tokens`: a verify step's K."""
+        `quantization`: see `prepare_params`; `num_speculative_tokens`: a verify step's K;
+        `kv_groups`: a hybrid cache's (`hybrid_kv`)."""
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
@@ -90,15 +92,15 @@ class ModelRunner:
         self._step, self._step_logits = compiled_steps(any(  # (weights quantised to fp8)
             x.dtype == FP8 for x in jax.tree.leaves(self.params)))
         cfg = cfg if mesh is None else tp_config(cfg, mesh.size)  # the step's kv heads
-        self.cfg, self.backend, self.mesh = cfg, backend, mesh
-        self.block_size = block_size
+        self.cfg, self.backend, self.mesh, self.block_size = cfg, backend, mesh, block_size
         self.buckets = buckets or BucketConfig()
         self.kv_dtype = kv_dtype(kv_cache_dtype, model_dtype)
         if num_blocks is None:
             num_blocks = auto_num_blocks(cfg, block_size, self.kv_dtype, memory_fraction,
                                          cpu_num_blocks, 1 if mesh is None else mesh.size,
                                          device if mesh is None else
-                                         mesh.devices.flat[0] if not multi_process else None)
+                                         mesh.devices.flat[0] if not multi_process else None,
+                                         kv_groups and kv_groups.page_layers)
             if multi_process:  # one global cache: the size every process has room for
                 num_blocks = multihost.smallest(num_blocks)
         self.num_blocks = num_blocks
@@ -111,8 +113,9 @@ class ModelRunner:
         self.kv_format = bits_format(self.kv_dtype, backend, mesh)  # (`worker.kv_bits`)
         self._kv_cache: KVCache = empty_kv_cache(  # created in place, sharded if tp
             cfg, num_blocks, block_size, self.kv_dtype, home if mesh is None else
-            kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype))
-        self.packer = StepPacker(block_size, self.buckets,
+            kv_sharding(mesh), stored_as=self.kv_format and bits_dtype(self.kv_dtype),
+            layers=kv_groups and kv_groups.page_layers)
+        self.packer = StepPacker(block_size, self.buckets, kv_groups=kv_groups,
                                  num_speculative_tokens=num_speculative_tokens)
         # Steps launch in order on one worker thread: XLA's launch of a step's hundreds of
         # kernels takes milliseconds of host time, which then overlaps the engine's Python.
@@ -137,9 +140,8 @@ class ModelRunner:
         if fixed_inputs and multi_process:
             raise ValueError("fixed_inputs=True: a multi-process run passes each step's "
                              "inputs as fresh global arrays (fixed_inputs None or False)")
-        self.fixed_inputs = (FixedInputs(home if mesh is None
-                                         else NamedSharding(mesh, REPLICATED))
-                             if fixed_inputs else None)
+        self.fixed_inputs = FixedInputs(home if mesh is None else NamedSharding(
+            mesh, REPLICATED)) if fixed_inputs else None
 
     @property
     def kv_cache(self) -> KVCache:
@@ -297,9 +299,7 @@ class ModelRunner:
         host_tokens = np.asarray(result[0] if isinstance(result, tuple) else result
                                  )[: handle.num_rows]
         self.last_timing = (self.last_timing[0], time.perf_counter() - t0)
-        if handle.order is None:
-            return host_tokens
-        return unorder(host_tokens, handle.order)
+        return host_tokens if handle.order is None else unorder(host_tokens, handle.order)
 
     def fetch_logprobs(self, handle: StepHandle) -> tuple[tuple, ...] | None:
         """An extra step's logprobs on the host, None for a plain step: per scheduled row

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jprefix.core.sampling_params import MAX_LOGPROBS
 from jprefix.worker import kv_bits, xla_flags
 from jprefix.worker.flat_batch import Layout, unflatten_batch
+from jprefix.worker.hybrid_kv import group_view, step_groups
 from jprefix.worker.kv_cache import KVCache, scale_kwargs
 from jprefix.worker.layer_switch import layer_loop
 from jprefix.worker.logits_processing import process_logits, token_logprobs
@@ -102,12 +103,14 @@ def _qkv_attention(backend: str, decode: bool, cascade: bool, mesh: Mesh | None,
     tp = 1 if mesh is None else mesh.size
 
     def local(qkv, positions, inv_freq, cache, layer, batch):
+        window = layer_window(cfg.layer_windows, layer)
+        page, batch = group_view(step_groups(cfg.layer_windows, batch), layer, batch)
         q, *cache = rope_write_kv(
-            qkv, positions, batch["slot_mapping"], *cache[:2], layer, inv_freq,
+            qkv, positions, batch["slot_mapping"], *cache[:2], page, inv_freq,
             num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
             interpret=backend == "pallas-interpret", **scale_kwargs(cache))
-        return _attention(backend, decode, cascade, q, tuple(cache), layer, batch, scale,
-                          window=layer_window(cfg.layer_windows, layer)), tuple(cache)
+        return _attention(backend, decode, cascade, q, tuple(cache), page, batch, scale,
+                          window=window), tuple(cache)
 
     run = per_shard_qkv(local, mesh)
 
@@ -214,13 +217,15 @@ def _model(params, kv_cache, flat, prev_tokens, layout, cfg, backend, decode, ca
     slopes = None if slopes is None else jnp.asarray(slopes)
 
     def write_and_attend(q, k, v, cache, alibi_slopes, layer, batch):
+        window = layer_window(cfg.layer_windows, layer)
+        page, batch = group_view(step_groups(cfg.layer_windows, batch), layer, batch)
         if kv_format is not None:  # a cache stored as integer bits (`worker.kv_bits`)
             return kv_bits.write_and_attend(functools.partial(
-                _attention, backend, decode, cascade, scale=scale, alibi_slopes=alibi_slopes),
-                q, k, v, cache, layer, batch, cascade, kv_format)
-        cache = write_kv(*cache[:2], layer, k, v, batch["slot_mapping"], **scale_kwargs(cache))
-        return _attention(backend, decode, cascade, q, cache, layer, batch, scale,
-                          alibi_slopes, layer_window(cfg.layer_windows, layer)), cache
+                _attention, backend, decode, cascade, scale=scale, alibi_slopes=alibi_slopes,
+                window=window), q, k, v, cache, page, batch, cascade, kv_format)
+        cache = write_kv(*cache[:2], page, k, v, batch["slot_mapping"], **scale_kwargs(cache))
+        return _attention(backend, decode, cascade, q, cache, page, batch, scale,
+                          alibi_slopes, window), cache
 
     local = per_shard(write_and_attend, mesh)
 
