@@ -65,7 +65,7 @@ class PackingStub:
 def stub_engine(args: EngineArgs) -> LLMEngine:
     """An LLMEngine over the stub runner (no model, no device)."""
     cfg = SimpleNamespace(max_position_embeddings=4096, eos_token_ids=[2], vocab_size=32000,
-                          uniform_sliding_window=None)
+                          uniform_sliding_window=None, layer_windows=(None,))
     model = SimpleNamespace(config=cfg, tokenizer=None, name="stub", params=None)
     return LLMEngine(model, args, runner=PackingStub(args.num_kv_blocks, args.block_size))
 
