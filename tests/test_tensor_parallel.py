@@ -1,4 +1,5 @@
-"""Tensor parallelism: greedy tokens on 2 (virtual CPU) devices equal those on one.
+"""Tensor parallelism: greedy tokens on 2 (virtual CPU) devices equal those on one (also
+with n-gram speculation, and over two data-parallel replicas).
 
 Runs in a subprocess because the CPU device count is fixed when jax starts: each script
 runs once per backend, and each of its assertions is a test of its own here, by name
@@ -141,6 +142,34 @@ FP8_SCRIPT = PRELUDE + textwrap.dedent("""
 @pytest.mark.parametrize("check", check_names(FP8_SCRIPT))
 def test_two_device_tensor_parallel_fp8_kv_matches_one_device(check):
     assert_check(two_device_run(FP8_SCRIPT, "xla"), check)
+
+
+# n-gram speculation over 2 devices, as tensor parallelism (each verify step sharded) and
+# as two data-parallel replicas: greedy tokens equal one device's without speculation
+SPEC_SCRIPT = PRELUDE + textwrap.dedent("""
+    tiny = jprefix.load("tiny-llama3", dtype="float32", load_format="dummy")
+    rng = np.random.default_rng(5)
+    motif = rng.integers(3, 200, 5).tolist()
+    prompts = [motif * 5 + rng.integers(3, 200, n).tolist() for n in (2, 6, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    out, drafts = {}, {}
+    for name, kw in (("off", {}), ("tp2", dict(tensor_parallel_size=2,
+                                                speculative_config=spec)),
+                     ("dp2", dict(data_parallel_size=2, speculative_config=spec))):
+        llm = LLM(tiny, block_size=8, num_kv_blocks=64, attention_backend=backend, **kw)
+        out[name] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        drafts[name] = llm.engine.stats.spec.num_drafts
+    assert out["tp2"] == out["off"], out
+    assert out["dp2"] == out["off"], out
+    assert drafts["tp2"] > 0 and drafts["dp2"] > 0, drafts
+""")
+
+
+@pytest.mark.parametrize("check", check_names(SPEC_SCRIPT))
+def test_two_device_speculation_tp_and_dp_match_one_device_off(check):
+    assert_check(two_device_run(SPEC_SCRIPT, "xla"), check)
 
 
 def test_a_failing_subprocess_check_is_reported_by_name():
