@@ -1,7 +1,8 @@
 """Speculative decoding in the engine (n-gram): greedy outputs equal to speculation off
 across prefix-cache modes, k, preemption, penalties, logit bias and logprobs (the
 target's); sampled speculation reproducible by seed; blocks balance and the trie holds
-accepted tokens only; metrics are consistent."""
+accepted tokens only; a next turn's prefix hit is the same as without speculation;
+metrics are consistent."""
 
 import numpy as np
 import pytest
@@ -85,6 +86,26 @@ def test_speculation_under_preemption(tiny, prompts, reference):
     assert llm.engine.stats.num_preemptions > 0
     _check_balanced_and_stats(llm)
     _check_metrics(llm)
+
+
+def test_next_turns_hit_the_accepted_output_blocks_as_without_speculation(tiny, prompts):
+    """The prefix-cache hit of a conversation's next turn (prompt + reply + new text) is
+    the same with speculation on as off: every full block of accepted output is cached
+    (no hit lost to rollback) and holds the accepted tokens (the replies are equal)."""
+    hits, replies = {}, {}
+    for name, spec in (("off", None), ("on", _spec(3))):
+        rng = np.random.default_rng(9)
+        llm = LLM(tiny, block_size=BS, num_kv_blocks=128, speculative_config=spec)
+        first = llm.generate(prompts, _greedy(), use_tqdm=False)
+        turns = [p + o.token_ids + rng.integers(3, 100, 5).tolist()
+                 for p, o in zip(prompts, first, strict=True)]
+        second = llm.generate(turns, _greedy(8), use_tqdm=False)
+        hits[name] = [o.num_cached_tokens for o in second]
+        replies[name] = [o.token_ids for o in first + second]
+    assert replies["on"] == replies["off"]
+    assert hits["on"] == hits["off"]
+    # (the reply's last token has no K/V yet: its block fills in the next turn)
+    assert all(h == (len(p) + 23) // BS * BS for h, p in zip(hits["on"], prompts, strict=True))
 
 
 def _check_metrics(llm):
