@@ -107,3 +107,15 @@ def test_one_stream_decoding_packs_two_tokens_and_one_sequence():
     assert on["slot_mapping"][1] == 0  # the padding row writes to the null block
     two = [ScheduledSeq(seq, 2, 1, True), ScheduledSeq(seq, 2, 1, True)]
     assert len(pack_step(two, 8, BucketConfig(single_stream=True))["token_ids"]) == 16
+
+
+@pytest.mark.parametrize("n,T", [(3, 4), (5, 8), (8, 8), (9, 16)])
+def test_one_stream_of_a_few_tokens_packs_one_sequence(n, T):
+    """A verify row or a short chunk of one stream: S = 1 and the power of two >= its
+    tokens up to `single_stream_tokens`, the minimums past it."""
+    seq = Sequence("a", list(range(5, 25)), SamplingParams(temperature=0, max_tokens=4))
+    seq.block_table = [1, 2, 3]
+    batch = pack_step([ScheduledSeq(seq, 0, n, False)], 8, BucketConfig(single_stream=True))
+    assert (len(batch["token_ids"]), len(batch["kv_lens"])) == (T, 1 if T < 16 else 8)
+    assert batch["token_ids"][:n].tolist() == list(range(5, 5 + n))
+    assert (batch["slot_mapping"][n:] == 0).all()  # padding writes to the null block

@@ -4,7 +4,8 @@ explicit and automatic (a cached prefix longer than the window is hit) equal to 
 reference and to one block table for every layer (`disable_hybrid_kv_cache_manager`);
 window pages freed as a sequence decodes; the same memory serving sequences that one
 table must preempt, and a hybrid run that preempts; the host tier, saved caches and
-speculative decoding refused by name (speculation over one table equals the reference). (Pallas kernels on the hybrid cache: tests/test_gemma3.py; two devices:
+speculative decoding refused by name (speculation over one table equals the reference).
+(Pallas kernels on the hybrid cache: tests/test_gemma3.py; two devices:
 tests/test_window_model.py.)
 """
 

@@ -43,7 +43,11 @@ class BucketConfig:
     # instead of the minimums: on the CPU a matmul of 2 rows takes about 0.55x the time
     # of 16 (XLA:CPU's matmuls of one row run a little faster still, but compile as
     # separate kernels: seconds more per compiled step). Costs one more compiled shape.
+    # One sequence of up to `single_stream_tokens` tokens (a speculative verify row, a
+    # short prefill chunk) packs into S = 1 and the power of two >= its tokens: a verify
+    # of 4 proposals is not padded to 16 tokens and 8 rows of logits.
     single_stream: bool = False
+    single_stream_tokens: int = 8
 
 
 def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
@@ -91,8 +95,8 @@ def pack_step(scheduled: Seq, block_size: int, buckets: BucketConfig,
     num_tokens = len(ids)
     T = bucket(num_tokens, buckets.min_tokens, buckets.token_step)
     S = bucket(n, buckets.min_seqs)
-    if buckets.single_stream and num_tokens == n == 1:
-        T, S = 2, 1
+    if buckets.single_stream and n == 1 and num_tokens <= buckets.single_stream_tokens:
+        T, S = bucket(num_tokens, 2), 1
     block_tables = ragged_rows(tables, S, buckets.min_blocks,
                                None if cache is None else cache.tables)
 
