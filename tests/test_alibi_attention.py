@@ -10,12 +10,24 @@ mixed batches, key splits and cascade groups.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
-from test_paged_attention import INTERPRET, MIXED, TOL, make_batch, rel_err
+from attention_cases import (
+    GROUPS,
+    INTERPRET,
+    LONERS,
+    MIXED,
+    check_output,
+    dense_attention,
+    make_batch,
+    make_cascade_batch,
+    mixed_step_seqs,
+    quantize_batch,
+    random_ragged_seqs,
+    rel_err,
+)
 
 from models.alibi import alibi_slopes
 from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
-from pallas_kernels.fp8 import FP8_DTYPES, dequantize_rows, quantize_rows
+from pallas_kernels.fp8 import FP8_DTYPES
 from pallas_kernels.paged_attention import (
     mixed_paged_attention,
     paged_attention,
@@ -32,35 +44,10 @@ PREFILL = [(6, 6), (1, 1), (13, 13)]
 CACHED = [(6, 30), (2, 17), (13, 14), (4, 18)]  # prefix cached: part, most, almost all
 
 
-def dense_alibi(batch, slopes, *, scale=SCALE, soft_cap=None, causal=True):
-    """Independent check (float64): per sequence and row, out [T, H, D] and lse [T, H]
-    of attention with bias slope_h * (k_pos - q_pos); q_pos = kv_len - q_len + i if
-    causal, else kv_len (the non-causal contract). Rows seeing no key: 0 and -inf."""
-    q = np.asarray(batch["q"], np.float64)
-    kc = np.asarray(batch["k_cache"], np.float64)[int(batch["layer"])]
-    vc = np.asarray(batch["v_cache"], np.float64)[int(batch["layer"])]
-    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
-    slopes = np.asarray(slopes, np.float64)
-    out, lse = np.zeros_like(q), np.full(q.shape[:2], -np.inf)
-    group = q.shape[1] // kc.shape[0]
-    for s, kv_len in enumerate(kv_lens):
-        pages = np.asarray(batch["block_tables"])[s]
-        keys = np.repeat(kc[:, pages].reshape(kc.shape[0], -1, kc.shape[-1]), group, 0)
-        vals = np.repeat(vc[:, pages].reshape(vc.shape[0], -1, vc.shape[-1]), group, 0)
-        q_len = cu[s + 1] - cu[s]
-        for i, t in enumerate(range(cu[s], cu[s + 1])):
-            q_pos = kv_len - q_len + i if causal else kv_len
-            n = q_pos + 1 if causal else kv_len
-            if n <= 0:
-                continue
-            x = np.einsum("hd,hjd->hj", q[t], keys[:, :n]) * scale
-            if soft_cap is not None:
-                x = soft_cap * np.tanh(x / soft_cap)
-            x = x + slopes[:, None] * (np.arange(n) - q_pos)[None, :]
-            x_max = x.max(-1, keepdims=True)
-            lse[t] = np.log(np.exp(x - x_max).sum(-1)) + x_max[:, 0]
-            out[t] = np.einsum("hj,hjd->hd", np.exp(x - lse[t][:, None]), vals[:, :n])
-    return out, lse
+def dense_alibi(batch, slopes, **kw):
+    """Independent check (float64): out [T, H, D] and lse [T, H] of attention with the
+    bias slope_h * (k_pos - q_pos) (attention_cases.dense_attention)."""
+    return dense_attention(batch, SCALE, slopes=slopes, **kw)
 
 
 def alibi_batch(seed, seqs, heads, kv_heads, dtype=jnp.float32, **kw):
@@ -172,17 +159,6 @@ def test_cascade_reference_paths_match_dense_alibi(heads, kv_heads, q_len):
 
 # -- Pallas kernels -----------------------------------------------------------------------
 
-def check_output(out, want, batch):
-    """out == want on the real rows; every row written (no NaN), padding rows zeros."""
-    dtype = batch["q"].dtype
-    assert out.shape == batch["q"].shape and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    assert not np.isnan(out).any(), "some output rows were never written"
-    n = int(batch["cu_q_lens"][-1])
-    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
-    assert rel_err(out[:n], want[:n]) < TOL[dtype.type]
-
-
 def check_kernel(batch, slopes, *, soft_cap=None, max_q_len=None, **knobs):
     out = paged_attention(**batch, scale=SCALE, soft_cap=soft_cap, interpret=INTERPRET,
                           max_q_len=max_q_len, block_sizes=BlockSizes(**knobs),
@@ -215,8 +191,7 @@ def test_kernel_alibi_splits_and_variants(max_q_len, knobs, dtype):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_alibi_random_ragged_batches(seed):
     # One-page key steps put the causal and length edges at every offset.
-    rng = np.random.default_rng(2000 + seed)
-    seqs = [(int(rng.integers(1, k + 1)), int(k)) for k in rng.integers(1, 60, 7)] + [(0, 0)]
+    seqs = random_ragged_seqs(np.random.default_rng(2000 + seed))
     batch, slopes = alibi_batch(seed, seqs, 40, 40)
     check_kernel(batch, slopes, block_q=16, block_kv=8)
 
@@ -235,11 +210,7 @@ def test_kernel_alibi_heads_per_tile(heads, kv_heads, hp, knobs):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("num_decode", [0, 3, 6])
 def test_mixed_step_alibi(num_decode, dtype):
-    rng = np.random.default_rng(90 + num_decode)
-    seqs = [(1, int(k)) for k in rng.integers(1, 50, num_decode)]
-    for _ in range(6 - num_decode):
-        q = int(rng.integers(2, 20))
-        seqs.append((q, q + int(rng.integers(0, 30))))
+    seqs = mixed_step_seqs(np.random.default_rng(90 + num_decode), num_decode)
     batch, slopes = alibi_batch(num_decode, seqs + [(0, 0)], 40, 8, dtype)
     out = mixed_paged_attention(**batch, num_decode=jnp.int32(num_decode), scale=SCALE,
                                 interpret=INTERPRET, alibi_slopes=slopes)
@@ -319,13 +290,9 @@ def test_bad_slopes_raise_value_error(bad):
 @pytest.mark.parametrize("max_q_len", [None, 1])
 def test_kernel_alibi_on_fp8_cache(max_q_len):
     batch, slopes = alibi_batch(77, MIXED + [(1, 64)], 40, 8, jnp.bfloat16)
-    k8, ks = quantize_rows(batch["k_cache"], FP8_DTYPES[0])
-    v8, vs = quantize_rows(batch["v_cache"], FP8_DTYPES[0])
-    out = paged_attention(**dict(batch, k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs),
-                          scale=SCALE, interpret=INTERPRET, max_q_len=max_q_len,
+    fp8_batch, deq = quantize_batch(batch, FP8_DTYPES[0])
+    out = paged_attention(**fp8_batch, scale=SCALE, interpret=INTERPRET, max_q_len=max_q_len,
                           alibi_slopes=slopes,
                           block_sizes=BlockSizes(block_q=16, block_kv=16))
-    deq = dict(batch, q=batch["q"].astype(jnp.float32), k_cache=dequantize_rows(k8, ks),
-               v_cache=dequantize_rows(v8, vs))
     check_output(out, dense_alibi(deq, slopes)[0], batch)
 

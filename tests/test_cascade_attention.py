@@ -8,8 +8,18 @@ the keys. Interpret mode starts outputs as NaN, so "no NaN" proves every row was
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import (
+    GROUPS,
+    INTERPRET,
+    LONERS,
+    TOL,
+    check_output,
+    dense_attention,
+    make_batch,
+    make_cascade_batch,
+    rel_err,
+)
 from jaxpr_walk import equations
-from test_paged_attention import INTERPRET, TOL, dense_numpy, make_batch, rel_err
 
 from pallas_kernels.cascade_attention import (
     FP8_DECODE_SUFFIX_BLOCK_SIZES,
@@ -24,30 +34,6 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.paged_attention_tiling import BlockSizes
 
 SCALE = 0.3
-
-
-def numpy_attention_lse(batch, scale, *, causal=True, soft_cap=None):
-    """Per row (float64): out [T, H, D] and lse [T, H]; rows seeing no key: 0 and -inf."""
-    q = np.asarray(batch["q"], np.float64)
-    kc = np.asarray(batch["k_cache"], np.float64)[int(batch["layer"])]
-    vc = np.asarray(batch["v_cache"], np.float64)[int(batch["layer"])]
-    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
-    out, lse = np.zeros_like(q), np.full(q.shape[:2], -np.inf)
-    group = q.shape[1] // kc.shape[0]
-    for s, kv_len in enumerate(kv_lens):
-        pages = np.asarray(batch["block_tables"])[s]
-        keys = np.repeat(kc[:, pages].reshape(kc.shape[0], -1, kc.shape[-1]), group, 0)
-        vals = np.repeat(vc[:, pages].reshape(vc.shape[0], -1, vc.shape[-1]), group, 0)
-        for i, t in enumerate(range(cu[s], cu[s + 1])):
-            n = kv_len - (cu[s + 1] - cu[s]) + i + 1 if causal else kv_len
-            if n <= 0:
-                continue
-            x = np.einsum("hd,hjd->hj", q[t], keys[:, :n]) * scale
-            if soft_cap is not None:
-                x = soft_cap * np.tanh(x / soft_cap)
-            lse[t] = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
-            out[t] = np.einsum("hj,hjd->hd", np.exp(x - lse[t][:, None]), vals[:, :n])
-    return out, lse
 
 
 def check_lse(got, want, dtype):
@@ -70,7 +56,7 @@ PREFILL = [(1, 37), (3, 0), (7, 7), (0, 0), (5, 21), (2, 9)]
 def test_kernel_lse_matches_numpy_logsumexp(max_q_len, kv_splits, causal):
     seqs = DECODE if max_q_len == 1 else PREFILL
     batch = make_batch(np.random.default_rng(kv_splits or 5), seqs, head_dim=32)
-    want_o, want_lse = numpy_attention_lse(batch, SCALE, causal=causal)
+    want_o, want_lse = dense_attention(batch, SCALE, causal=causal)
     out, lse = paged_attention(**batch, scale=SCALE, causal=causal, return_lse=True,
                                max_q_len=max_q_len, interpret=INTERPRET,
                                block_sizes=BlockSizes(kv_splits=kv_splits, block_q=16,
@@ -89,7 +75,7 @@ def test_kernel_lse_matches_numpy_logsumexp(max_q_len, kv_splits, causal):
 def test_kernel_lse_soft_cap_gqa(dtype):
     batch = make_batch(np.random.default_rng(9), PREFILL, heads=8, kv_heads=2,
                        head_dim=32, dtype=dtype)
-    _, want_lse = numpy_attention_lse(batch, SCALE, causal=False, soft_cap=2.0)
+    _, want_lse = dense_attention(batch, SCALE, causal=False, soft_cap=2.0)
     _, lse = paged_attention(**batch, scale=SCALE, soft_cap=2.0, causal=False,
                              return_lse=True, block_sizes=BlockSizes(block_q=16),
                              interpret=INTERPRET)
@@ -103,7 +89,7 @@ def test_default_options_unchanged():
     out, _ = paged_attention(**batch, scale=SCALE, block_sizes=bs, interpret=INTERPRET,
                              return_lse=True)
     np.testing.assert_array_equal(out, plain)
-    assert rel_err(plain, numpy_attention_lse(batch, SCALE)[0]) < TOL[jnp.float32]
+    assert rel_err(plain, dense_attention(batch, SCALE)[0]) < TOL[jnp.float32]
 
 
 # -- merge ------------------------------------------------------------------------------
@@ -144,72 +130,21 @@ def test_merge_with_keyless_sides():
 
 # -- cascade ----------------------------------------------------------------------------
 
-def make_cascade_batch(rng, groups, loners, *, lead=1, q_len=1, block_size=8, heads=4,
-                       kv_heads=2, dtype=jnp.float32):
-    """groups: (prefix blocks, [suffix kv_len per member]); loners: kv_lens in no group.
-
-    Rows: `lead` loners, the groups' members, the other loners, a padding sequence, 3
-    padding rows. Each sequence's last min(q_len, suffix) tokens are its queries.
-    Returns (full-table batch for paged_attention, cascade keyword arguments).
-    """
-    seqs = ([(None, kv) for kv in loners[:lead]]
-            + [(g, kv) for g, (_, kvs) in enumerate(groups) for kv in kvs]
-            + [(None, kv) for kv in loners[lead:]] + [(None, 0)])
-    prefix_lens = [0 if g is None else groups[g][0] * block_size for g, _ in seqs]
-    batch = make_batch(rng, [(min(q_len, kv), p + kv) for p, (_, kv) in
-                             zip(prefix_lens, seqs, strict=True)],
-                       heads=heads, kv_heads=kv_heads, head_dim=32, block_size=block_size,
-                       dtype=dtype)
-    tables = np.asarray(batch["block_tables"]).copy()
-    prefix_tables = np.zeros((len(groups), max(p for p, _ in groups) + 1), np.int32)
-    for s, (g, _) in enumerate(seqs):  # members share their group's first member's prefix
-        if g is not None:
-            n = groups[g][0]
-            if not prefix_tables[g].any():
-                prefix_tables[g, :n] = tables[s, :n]
-            tables[s, :n] = prefix_tables[g, :n]
-    batch["block_tables"] = jnp.asarray(tables)
-    suffix = np.zeros_like(tables)
-    for s, p in enumerate(prefix_lens):
-        suffix[s, :tables.shape[1] - p // block_size] = tables[s, p // block_size:]
-    cu = np.asarray(batch["cu_q_lens"])
-    rows = [sum(min(q_len, kv) for g2, kv in seqs if g2 == g) for g in range(len(groups))]
-    cascade = dict(
-        q=batch["q"], k_cache=batch["k_cache"], v_cache=batch["v_cache"],
-        layer=batch["layer"], prefix_block_tables=jnp.asarray(prefix_tables),
-        prefix_kv_lens=jnp.asarray([p * block_size for p, _ in groups], jnp.int32),
-        prefix_cu_q_lens=jnp.asarray(cu[lead] + np.cumsum([0] + rows), jnp.int32),
-        suffix_block_tables=jnp.asarray(suffix),
-        suffix_kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
-        cu_q_lens=batch["cu_q_lens"])
-    return batch, cascade
-
-
 def check_cascade(batch, cascade, *, max_q_len=1, plain_kernel=True):
     dtype = batch["q"].dtype
-    truth = dense_numpy(batch, SCALE)
+    truth = dense_attention(batch, SCALE)[0]
     out = cascade_attention(**cascade, scale=SCALE, max_q_len=max_q_len, interpret=INTERPRET)
-    assert out.shape == batch["q"].shape and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    assert not np.isnan(out).any(), "some output rows were never written"
-    n = int(batch["cu_q_lens"][-1])
-    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
+    out = check_output(out, truth, batch)
     others = [cascade_attention(**cascade, scale=SCALE, use_reference=True),
               cascade_attention_reference(**cascade, scale=SCALE),
               paged_attention_reference(**batch, scale=SCALE)]
     if plain_kernel:
         others.append(paged_attention(**batch, scale=SCALE, max_q_len=max_q_len,
                                       interpret=INTERPRET))
-    for got in [out] + others:
+    for got in others:
         assert rel_err(got, truth) < TOL[dtype.type]
     if dtype == jnp.float32:
         np.testing.assert_allclose(out, others[-1], rtol=1e-4, atol=1e-5)
-
-
-# Group sizes 1, 3, 8 with 1-3 prefix blocks; suffixes from 1 token to over one block
-# (block size 8 here); a keyless group (prefix 0) makes a gap; loners before and after.
-GROUPS = [(2, [1]), (1, [3, 8, 9]), (0, [5]), (3, [1, 2, 7, 8, 9, 16, 17, 20])]
-LONERS = [12, 1, 30]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2)])

@@ -13,8 +13,18 @@ interpret mode (CPU) the kernels run in Pallas's interpreter; on a GPU compiled.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
-from test_paged_attention import INTERPRET, MIXED, TOL, make_batch, rel_err
+from attention_cases import (
+    GROUPS,
+    INTERPRET,
+    LONERS,
+    MIXED,
+    TOL,
+    check_output,
+    make_batch,
+    make_cascade_batch,
+    quantize_batch,
+    rel_err,
+)
 from test_rope_kv_write import make_inputs, written_rows
 
 from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
@@ -35,30 +45,14 @@ ROW_ERR = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 SCALE = 0.3
 
 
-def quantize_batch(batch, fp8=E4M3):
-    """The batch with its caches quantised (fp8 + scales), and the batch with those
-    caches dequantised and q in float32 (the tight reference's input)."""
-    k8, ks = quantize_rows(batch["k_cache"], fp8)
-    v8, vs = quantize_rows(batch["v_cache"], fp8)
-    fp8_batch = dict(batch, k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs)
-    deq = dict(batch, q=batch["q"].astype(jnp.float32), k_cache=dequantize_rows(k8, ks),
-               v_cache=dequantize_rows(v8, vs))
-    return fp8_batch, deq
-
-
 def check_fp8_op(op, batch, fp8=E4M3, reference=paged_attention_reference, **kw):
     """op on the fp8 cache == reference on the dequantised cache (tight) and == op on the
     original cache (within the quantisation error); padding rows zeros, none unwritten."""
-    dtype = batch["q"].dtype
     fp8_batch, deq = quantize_batch(batch, fp8)
     out = op(**fp8_batch, scale=SCALE, **kw)
-    assert out.shape == batch["q"].shape and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    n = int(batch["cu_q_lens"][-1])
-    assert not np.isnan(out).any(), "some output rows were never written"
-    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
     tight = np.asarray(reference(**deq, scale=SCALE), np.float32)
-    assert rel_err(out[:n], tight[:n]) < TOL[dtype.type]
+    out = check_output(out, tight, batch)
+    n = int(batch["cu_q_lens"][-1])
     unquantised = np.asarray(op(**batch, scale=SCALE, **kw), np.float32)
     assert rel_err(out[:n], unquantised[:n]) < FP8_TOL[fp8]
 

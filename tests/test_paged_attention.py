@@ -7,10 +7,20 @@ run the compiled Triton kernel instead.
 
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import (
+    INTERPRET,
+    MIXED,
+    TOL,
+    check_output,
+    dense_attention,
+    make_batch,
+    mixed_step_seqs,
+    random_ragged_seqs,
+    rel_err,
+)
 
 from pallas_kernels.paged_attention import (
     mixed_paged_attention,
@@ -19,82 +29,12 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.paged_attention_tiling import BlockSizes
 
-INTERPRET = jax.default_backend() == "cpu"
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # relative L2 error vs the reference
-
-
-def make_batch(rng, seqs, *, heads=4, kv_heads=2, head_dim=64, block_size=8, layers=2,
-               extra_rows=3, extra_blocks=3, dtype=jnp.float32):
-    """Random ragged batch. seqs: (q_len, kv_len) per sequence ((0, 0) = padding seq)."""
-    blocks_per_seq = [-(-kv // block_size) for _, kv in seqs]
-    num_blocks = 1 + sum(blocks_per_seq) + extra_blocks
-    max_blocks = max(blocks_per_seq) + 1
-    physical = rng.permutation(np.arange(1, num_blocks))  # shuffled, block 0 = null
-    tables = np.zeros((len(seqs), max_blocks), np.int32)
-    used = 0
-    for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = physical[used:used + n]
-        used += n
-    cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
-    t = int(cu[-1]) + extra_rows
-    shape = (layers, kv_heads, num_blocks, block_size, head_dim)
-    return dict(
-        q=jnp.asarray(rng.standard_normal((t, heads, head_dim)), dtype),
-        k_cache=jnp.asarray(rng.standard_normal(shape), dtype),
-        v_cache=jnp.asarray(rng.standard_normal(shape), dtype),
-        layer=jnp.int32(layers - 1),
-        block_tables=jnp.asarray(tables),
-        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
-        cu_q_lens=jnp.asarray(cu),
-    )
-
-
-def dense_numpy(batch, scale, soft_cap=None):
-    """Independent check: per sequence, gather K/V and run dense causal attention (f64)."""
-    q = np.asarray(batch["q"], np.float64)
-    kc = np.asarray(batch["k_cache"], np.float64)[int(batch["layer"])]
-    vc = np.asarray(batch["v_cache"], np.float64)[int(batch["layer"])]
-    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
-    out = np.zeros_like(q)
-    group = q.shape[1] // kc.shape[0]
-    for s, kv_len in enumerate(kv_lens):
-        q_len = cu[s + 1] - cu[s]
-        if q_len == 0:
-            continue
-        pages = np.asarray(batch["block_tables"])[s]
-        keys = kc[:, pages].reshape(kc.shape[0], -1, kc.shape[-1])[:, :kv_len]  # [K, kv, D]
-        vals = vc[:, pages].reshape(vc.shape[0], -1, vc.shape[-1])[:, :kv_len]
-        keys, vals = np.repeat(keys, group, axis=0), np.repeat(vals, group, axis=0)
-        qs = q[cu[s]:cu[s + 1]].transpose(1, 0, 2)  # [H, q_len, D]
-        logits = qs @ keys.transpose(0, 2, 1) * scale
-        if soft_cap is not None:
-            logits = soft_cap * np.tanh(logits / soft_cap)
-        pos = kv_len - q_len + np.arange(q_len)
-        logits = np.where(np.arange(kv_len)[None, :] <= pos[:, None], logits, -np.inf)
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        out[cu[s]:cu[s + 1]] = (p / p.sum(-1, keepdims=True) @ vals).transpose(1, 0, 2)
-    return out
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
 
 def check_kernel(batch, *, scale=0.3, soft_cap=None, max_q_len=None, **knobs):
-    dtype = batch["q"].dtype
     ref = paged_attention_reference(**batch, scale=scale, soft_cap=soft_cap)
     out = paged_attention(**batch, scale=scale, soft_cap=soft_cap, interpret=INTERPRET,
                           max_q_len=max_q_len, block_sizes=BlockSizes(**knobs))
-    assert out.shape == batch["q"].shape and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    assert not np.isnan(out).any(), "some output rows were never written"
-    n = int(batch["cu_q_lens"][-1])
-    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
-    assert rel_err(out[:n], ref[:n]) < TOL[dtype.type]
-
-
-MIXED = [(1, 37), (7, 7), (0, 0), (12, 30), (1, 1), (5, 40)]
+    check_output(out, ref, batch)
 
 
 # -- reference against dense attention ------------------------------------------------
@@ -105,7 +45,7 @@ def test_reference_matches_dense_attention(seqs, soft_cap):
     rng = np.random.default_rng(len(seqs) + int(soft_cap or 0))
     batch = make_batch(rng, seqs, heads=6, kv_heads=2)
     ref = paged_attention_reference(**batch, scale=0.3, soft_cap=soft_cap)
-    assert rel_err(ref, dense_numpy(batch, 0.3, soft_cap)) < 1e-5
+    assert rel_err(ref, dense_attention(batch, 0.3, soft_cap=soft_cap)[0]) < 1e-5
 
 
 def test_reference_token_chunks_agree():
@@ -135,19 +75,12 @@ def test_mixed_step_tilings_match_reference(num_decode, dtype):
     """A step of decodes (first) and prefill chunks: decode rows with the decode tiling,
     the rest with the prefill tiling, equals the reference on every row."""
     rng = np.random.default_rng(70 + num_decode)
-    seqs = [(1, int(k)) for k in rng.integers(1, 50, num_decode)]
-    for _ in range(6 - num_decode):
-        q = int(rng.integers(2, 20))
-        seqs.append((q, q + int(rng.integers(0, 30))))  # a prefill chunk, some cached
+    seqs = mixed_step_seqs(rng, num_decode)
     batch = make_batch(rng, seqs + [(0, 0)], heads=6, kv_heads=2, dtype=dtype)
     ref = np.asarray(paged_attention_reference(**batch, scale=0.3), np.float32)
     out = mixed_paged_attention(**batch, num_decode=jnp.int32(num_decode), scale=0.3,
                                 interpret=INTERPRET)
-    assert out.shape == batch["q"].shape and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    n = int(batch["cu_q_lens"][-1])
-    assert not np.isnan(out).any() and np.all(out[n:] == 0.0)
-    assert rel_err(out[:n], ref[:n]) < TOL[jnp.dtype(dtype).type]
+    check_output(out, ref, batch)
 
 
 def test_mixed_step_with_fewer_tokens_than_sequence_slots():
@@ -166,9 +99,7 @@ def test_mixed_step_with_fewer_tokens_than_sequence_slots():
 def test_kernel_random_ragged_batches(seed):
     # Small key steps (one 8-token page) put causal and length edges at every offset.
     rng = np.random.default_rng(1000 + seed)
-    kv = rng.integers(1, 60, size=7)
-    seqs = [(int(rng.integers(1, k + 1)), int(k)) for k in kv] + [(0, 0)]
-    check_kernel(make_batch(rng, seqs), block_q=16, block_kv=8)
+    check_kernel(make_batch(rng, random_ragged_seqs(rng)), block_q=16, block_kv=8)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1), (16, 2)])

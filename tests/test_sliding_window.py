@@ -13,12 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cascade_attention import GROUPS, LONERS, make_cascade_batch
-from test_paged_attention import INTERPRET, MIXED, TOL, make_batch, rel_err
+from attention_cases import (
+    GROUPS,
+    INTERPRET,
+    LONERS,
+    MIXED,
+    TOL,
+    check_output,
+    dense_attention,
+    make_batch,
+    make_cascade_batch,
+    quantize_batch,
+    rel_err,
+)
 
 from models.alibi import alibi_slopes
 from pallas_kernels.cascade_attention import cascade_attention, cascade_attention_reference
-from pallas_kernels.fp8 import FP8_DTYPES, dequantize_rows, quantize_rows
+from pallas_kernels.fp8 import FP8_DTYPES
 from pallas_kernels.paged_attention import (
     mixed_paged_attention,
     paged_attention,
@@ -34,29 +45,10 @@ CACHED = [(6, 30), (2, 17), (13, 14), (4, 18)]  # prefix cached: part, most, alm
 WINDOWS = [1, 5, 8, 13]  # one key; through a block (B = 8); one block; across blocks
 
 
-def dense_window(batch, window, *, slopes=None, scale=SCALE):
+def dense_window(batch, window, *, slopes=None):
     """Independent check (float64): per sequence and row, attention over the keys in
-    (q_pos - window, q_pos]; with `slopes` the ALiBi bias slope_h * (k_pos - q_pos)."""
-    q = np.asarray(batch["q"], np.float64)
-    kc = np.asarray(batch["k_cache"], np.float64)[int(batch["layer"])]
-    vc = np.asarray(batch["v_cache"], np.float64)[int(batch["layer"])]
-    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
-    out = np.zeros_like(q)
-    group = q.shape[1] // kc.shape[0]
-    for s, kv_len in enumerate(kv_lens):
-        pages = np.asarray(batch["block_tables"])[s]
-        keys = np.repeat(kc[:, pages].reshape(kc.shape[0], -1, kc.shape[-1]), group, 0)
-        vals = np.repeat(vc[:, pages].reshape(vc.shape[0], -1, vc.shape[-1]), group, 0)
-        q_len = cu[s + 1] - cu[s]
-        for i, t in enumerate(range(cu[s], cu[s + 1])):
-            q_pos = kv_len - q_len + i
-            lo = max(0, q_pos - window + 1)
-            x = np.einsum("hd,hjd->hj", q[t], keys[:, lo:q_pos + 1]) * scale
-            if slopes is not None:
-                x = x + np.asarray(slopes)[:, None] * (np.arange(lo, q_pos + 1) - q_pos)
-            p = np.exp(x - x.max(-1, keepdims=True))
-            out[t] = np.einsum("hj,hjd->hd", p / p.sum(-1, keepdims=True), vals[:, lo:q_pos + 1])
-    return out
+    (q_pos - window, q_pos]; with `slopes` the ALiBi bias (attention_cases.dense_attention)."""
+    return dense_attention(batch, SCALE, window=window, slopes=slopes)[0]
 
 
 def poison_old_pages(batch, window, *, null=False):
@@ -89,11 +81,7 @@ def check_window_kernel(batch, window, *, max_q_len=None, slopes=None, poison=Tr
     run = poison_old_pages(batch, window, null=window % 2 == 0) if poison else batch
     out = paged_attention(**run, **kw, interpret=INTERPRET, max_q_len=max_q_len,
                           block_sizes=BlockSizes(**knobs))
-    assert out.shape == batch["q"].shape and out.dtype == dtype
-    out = np.asarray(out, np.float32)
-    assert not np.isnan(out).any(), "a row was never written, or an old page was read"
-    assert np.all(out[n:] == 0.0), "padding rows must be zeros"
-    assert rel_err(out[:n], truth[:n]) < TOL[dtype.type]
+    check_output(out, truth, batch, unwritten="a row was never written, or an old page was read")
 
 
 def test_window_larger_than_every_sequence_is_plain_causal_attention():
@@ -148,11 +136,8 @@ def test_kernel_window_with_alibi(max_q_len):
 def test_kernel_window_over_an_fp8_cache(max_q_len):
     case = DECODE if max_q_len == 1 else MIXED
     batch = make_batch(np.random.default_rng(5), case)
-    k8, ks = quantize_rows(batch["k_cache"], FP8)
-    v8, vs = quantize_rows(batch["v_cache"], FP8)
-    deq = dict(batch, k_cache=dequantize_rows(k8, ks), v_cache=dequantize_rows(v8, vs))
-    out = paged_attention(**dict(batch, k_cache=k8, v_cache=v8), k_scale=ks, v_scale=vs,
-                          scale=SCALE, sliding_window=9, interpret=INTERPRET,
+    fp8_batch, deq = quantize_batch(batch, FP8)
+    out = paged_attention(**fp8_batch, scale=SCALE, sliding_window=9, interpret=INTERPRET,
                           max_q_len=max_q_len)
     n = int(batch["cu_q_lens"][-1])
     assert not np.isnan(np.asarray(out, np.float32)).any()
