@@ -12,7 +12,17 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import EOS, WORKLOAD, AsyncStepper, V, run_workload, workload_seqs
+from test_scheduler import (
+    EOS,
+    WORKLOAD,
+    AsyncStepper,
+    V,
+    check_workload_outputs,
+    reference_output,
+    run_workload,
+    workload_seqs,
+)
+from test_scheduler import step as scheduler_step
 
 from jprefix.core.block_manager import NULL_BLOCK, BlockManager
 from jprefix.core.config import SchedulerConfig
@@ -48,11 +58,7 @@ def hybrid_token(context: list[int], window: int) -> int:
 
 
 def hybrid_output(prompt: list[int], sp: SamplingParams, window: int) -> list[int]:
-    out: list[int] = []
-    while True:
-        out.append(hybrid_token(prompt + out, window))
-        if (not sp.ignore_eos and out[-1] == EOS) or len(out) >= sp.max_tokens:
-            return out
+    return reference_output(prompt, sp, lambda context: hybrid_token(context, window))
 
 
 class HybridRunner:
@@ -123,27 +129,7 @@ def check(sched: HybridScheduler) -> None:
 
 
 def step(sched, runner):
-    out = sched.schedule()
-    check(sched)
-    finished = out.ignored + sched.update(out, runner.execute(out))
-    check(sched)
-    return out, finished
-
-
-def _async_step(stepper: AsyncStepper):
-    sched = stepper.sched
-    out = sched.schedule()
-    check(sched)
-    pending = {} if stepper.inflight is None else {
-        s.seq.request_id: t for s, t in zip(stepper.inflight[0].scheduled,
-                                            stepper.inflight[1], strict=True) if s.sample}
-    sampled = stepper.runner.execute(out, pending)
-    finished = list(out.ignored)
-    if stepper.inflight is not None:
-        finished += sched.update(*stepper.inflight)
-        check(sched)
-    stepper.inflight = (out, sampled) if out.scheduled else None
-    return out, finished
+    return scheduler_step(sched, runner, check)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -153,18 +139,10 @@ def test_random_hybrid_workload_frees_window_pages_and_matches_the_model(
     sched, runner = make(num_blocks * 3, block_size, window, max_num_batched_tokens=budget,
                          max_num_seqs=4, enable_chunked_prefill=chunked,
                          enable_prefix_caching=caching)
-    stepper = AsyncStepper(sched, runner) if async_ else None
-    if stepper:  # (the stepper checks with the plain invariants: swap in the hybrid's)
-        stepper.step = lambda s=stepper: _async_step(s)
+    stepper = AsyncStepper(sched, runner, check) if async_ else None
     seqs = workload_seqs(reqs)
     run_workload(sched, runner, reqs, seqs, stepper, step)
-    bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks - 1
-    for s in seqs:
-        assert s.is_finished()
-        ref = hybrid_output(s.prompt_token_ids, s.sampling_params, window)
-        assert s.output_token_ids == ref[: s.num_output_tokens]
-        assert s.finish_reason in ("abort", "error") or s.num_output_tokens == len(ref)
+    check_workload_outputs(sched, seqs, lambda p, sp: hybrid_output(p, sp, window))
 
 
 def _seq(rid, prompt, max_tokens):

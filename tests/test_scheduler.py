@@ -3,6 +3,7 @@ sharing, chunked prefill, preemption, and a randomized workload checked against 
 model that reads its context back from a simulated paged KV cache."""
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -23,10 +24,12 @@ def next_token(context: list[int]) -> int:
     return (sum(context) * 31 + len(context) * 7) % V
 
 
-def reference_output(prompt: list[int], sp: SamplingParams) -> list[int]:
+def reference_output(prompt: list[int], sp: SamplingParams,
+                     model: Callable[[list[int]], int] = next_token) -> list[int]:
+    """The fake `model`'s greedy output for the prompt, with sp's stop rules."""
     out: list[int] = []
     while True:
-        out.append(next_token(prompt + out))
+        out.append(model(prompt + out))
         stop = out[-1] in sp.stop_token_ids or (not sp.ignore_eos and out[-1] == EOS)
         if (stop and len(out) >= sp.min_tokens) or len(out) >= sp.max_tokens:
             return out
@@ -73,17 +76,19 @@ class FakeRunner:
 
 class AsyncStepper:
     """Drives the scheduler as the engine does with async scheduling: step N+1 is
-    scheduled and run before step N's tokens are applied."""
+    scheduled and run before step N's tokens are applied. `invariants` (default `check`)
+    runs after every schedule and update."""
 
-    def __init__(self, sched: Scheduler, runner: FakeRunner):
+    def __init__(self, sched: Scheduler, runner: FakeRunner, invariants=None):
         self.sched, self.runner, self.inflight = sched, runner, None
+        self.check = invariants or check
 
     def busy(self) -> bool:
         return self.sched.has_unfinished() or self.inflight is not None
 
     def step(self):
         out = self.sched.schedule()
-        check(self.sched)
+        self.check(self.sched)
         pending = {} if self.inflight is None else {
             s.seq.request_id: t for s, t in zip(self.inflight[0].scheduled, self.inflight[1],
                                                 strict=True) if s.sample}
@@ -91,7 +96,7 @@ class AsyncStepper:
         finished = list(out.ignored)
         if self.inflight is not None:
             finished += self.sched.update(*self.inflight)
-            check(self.sched)
+            self.check(self.sched)
         self.inflight = (out, sampled) if out.scheduled else None
         return out, finished
 
@@ -121,11 +126,11 @@ def check(sched: Scheduler) -> None:
     assert plain_free + cached_free + bm.num_used_blocks == bm.num_blocks - 1
 
 
-def step(sched: Scheduler, runner: FakeRunner):
+def step(sched: Scheduler, runner: FakeRunner, invariants=check):
     out = sched.schedule()
-    check(sched)
+    invariants(sched)
     finished = out.ignored + sched.update(out, runner.execute(out))
-    check(sched)
+    invariants(sched)
     return out, finished
 
 
@@ -364,6 +369,18 @@ def run_workload(sched: Scheduler, runner: FakeRunner, reqs: list[Request],
     raise AssertionError("workload did not finish")
 
 
+def check_workload_outputs(sched: Scheduler, seqs: list[Sequence], reference) -> None:
+    """After a workload: every block free; every sequence finished, its output a prefix
+    of reference(prompt, sampling_params), all of it unless aborted or refused."""
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks - 1
+    for s in seqs:
+        assert s.is_finished()
+        ref = reference(s.prompt_token_ids, s.sampling_params)
+        assert s.output_token_ids == ref[: s.num_output_tokens]
+        assert s.finish_reason in ("abort", "error") or s.num_output_tokens == len(ref)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**WORKLOAD, max_num_seqs=st.integers(1, 6), chunked=st.booleans())
 def test_random_workload_completes_with_balanced_refs(
@@ -377,12 +394,8 @@ def test_random_workload_completes_with_balanced_refs(
     run_workload(sched, runner, reqs, seqs, stepper)
     bm = sched.block_manager
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
-    assert bm.num_free_blocks == bm.num_blocks - 1
-    for s in seqs:  # aborted and 'error' requests stop early; the rest match in full
-        assert s.is_finished()
-        ref = reference_output(s.prompt_token_ids, s.sampling_params)
-        assert s.output_token_ids == ref[: s.num_output_tokens]
-        assert s.finish_reason in ("abort", "error") or s.num_output_tokens == len(ref)
+    check_workload_outputs(sched, seqs, reference_output)
+    for s in seqs:
         if s.finish_reason == "error":  # only a request that truly cannot fit
             too_big = bm.blocks_for(s.num_tokens) > bm.num_blocks - 1
             assert too_big or (not chunked and s.num_tokens > budget)

@@ -15,9 +15,12 @@ from test_scheduler import (
     AsyncStepper,
     FakeRunner,
     V,
+    check_workload_outputs,
+    reference_output,
     run_workload,
     workload_seqs,
 )
+from test_scheduler import step as scheduler_step
 
 from jprefix.core.block_manager import NULL_BLOCK, BlockManager
 from jprefix.core.config import SchedulerConfig
@@ -33,12 +36,7 @@ def window_token(context: list[int], window: int) -> int:
 
 
 def window_output(prompt: list[int], sp: SamplingParams, window: int) -> list[int]:
-    out: list[int] = []
-    while True:
-        out.append(window_token(prompt + out, window))
-        stop = not sp.ignore_eos and out[-1] == EOS
-        if stop or len(out) >= sp.max_tokens:
-            return out
+    return reference_output(prompt, sp, lambda context: window_token(context, window))
 
 
 class WindowRunner(FakeRunner):
@@ -94,11 +92,7 @@ def check(sched: Scheduler) -> None:
 
 
 def step(sched, runner):
-    out = sched.schedule()
-    check(sched)
-    finished = out.ignored + sched.update(out, runner.execute(out))
-    check(sched)
-    return out, finished
+    return scheduler_step(sched, runner, check)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -108,34 +102,10 @@ def test_random_window_workload_frees_blocks_and_matches_the_model(
     sched, runner = make(num_blocks, block_size, window, max_num_batched_tokens=budget,
                          max_num_seqs=4, enable_chunked_prefill=chunked,
                          enable_prefix_caching=caching)
-    stepper = AsyncStepper(sched, runner) if async_ else None
-    if stepper:  # (the stepper checks with the plain invariants: swap in the window's)
-        stepper.step = lambda s=stepper: _async_step(s)
+    stepper = AsyncStepper(sched, runner, check) if async_ else None
     seqs = workload_seqs(reqs)
     run_workload(sched, runner, reqs, seqs, stepper, step)
-    bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks - 1
-    for s in seqs:
-        assert s.is_finished()
-        ref = window_output(s.prompt_token_ids, s.sampling_params, window)
-        assert s.output_token_ids == ref[: s.num_output_tokens]
-        assert s.finish_reason in ("abort", "error") or s.num_output_tokens == len(ref)
-
-
-def _async_step(stepper: AsyncStepper):
-    sched = stepper.sched
-    out = sched.schedule()
-    check(sched)
-    pending = {} if stepper.inflight is None else {
-        s.seq.request_id: t for s, t in zip(stepper.inflight[0].scheduled,
-                                            stepper.inflight[1], strict=True) if s.sample}
-    sampled = stepper.runner.execute(out, pending)
-    finished = list(out.ignored)
-    if stepper.inflight is not None:
-        finished += sched.update(*stepper.inflight)
-        check(sched)
-    stepper.inflight = (out, sampled) if out.scheduled else None
-    return out, finished
+    check_workload_outputs(sched, seqs, lambda p, sp: window_output(p, sp, window))
 
 
 def _seq(rid, prompt, max_tokens):
