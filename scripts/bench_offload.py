@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
@@ -30,6 +29,7 @@ import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
 from jprefix.worker.offload import KVOffloader  # noqa: E402
+from scripts.kernel_timing import wall_median  # noqa: E402
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -79,16 +79,9 @@ def copy_figures(llm: LLM, prefix_len: int, repeats: int) -> dict:
     def plain_d2h() -> None:
         np.asarray(dev + 0)  # (a fresh array: no cached host copy)
 
-    times = {}
-    for name, fn in [("save", save), ("restore", restore), ("device_put", plain_h2d),
-                     ("asarray", plain_d2h)]:
-        fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        times[name] = float(np.median(ts))
+    times = {name: wall_median(fn, repeats) for name, fn in [
+        ("save", save), ("restore", restore), ("device_put", plain_h2d),
+        ("asarray", plain_d2h)]}
     gbs = {k: float(f"{nbytes / v / 1e9:.3g}") for k, v in times.items()}
     del tier
     return {"bytes": nbytes, "blocks": n,

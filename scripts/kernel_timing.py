@@ -1,7 +1,8 @@
 """Timing and test cases shared by the kernel benchmarks (bench_kernels, bench_write_kv,
 bench_cascade, bench_gemm, sweep_attention).
 
-Times: `timeit` is the wall time of back-to-back calls; `device_times` reads a
+Times: `timeit` is the wall time of back-to-back calls (`wall_median`: of calls that
+sync themselves, e.g. host copies); `device_times` reads a
 `jax.profiler` trace for the device time of the same calls (none on the CPU backend);
 `measure` gives both, preferring device time. Cases: `make_case` builds a ragged batch over
 a shuffled paged KV cache in `paged_attention`'s argument order, and `attention_fn` binds
@@ -44,6 +45,18 @@ def timeit(fn: Callable, *args, reps: int = 15, inner: int = 5) -> float:
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def wall_median(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of fn after one warm-up call; fn must
+    finish its own work before it returns (a copy fetched, a block_until_ready)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

@@ -16,6 +16,12 @@ per way (median of --repeats, GB/s of the K+V bytes):
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/probes/NAME.py`: this checkout first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 import time
@@ -24,15 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+from scripts.kernel_timing import wall_median
 
 
 def main() -> None:
@@ -64,20 +62,20 @@ def main() -> None:
     def h2d_pageable():
         jax.block_until_ready([jax.device_put(r, dsh) for r in rows])
 
-    res["np_gather_only"] = timed(lambda: [p[slots] for p in pool], args.repeats)
-    res["h2d_np_gather+put"] = timed(h2d_gather, args.repeats)
-    res["h2d_pageable"] = timed(h2d_pageable, args.repeats)
-    res["d2h_asarray"] = timed(lambda: [np.asarray(a + 0) for a in dev_arrs], args.repeats)
+    res["np_gather_only"] = wall_median(lambda: [p[slots] for p in pool], args.repeats)
+    res["h2d_np_gather+put"] = wall_median(h2d_gather, args.repeats)
+    res["h2d_pageable"] = wall_median(h2d_pageable, args.repeats)
+    res["d2h_asarray"] = wall_median(lambda: [np.asarray(a + 0) for a in dev_arrs], args.repeats)
     if psh is not None:
         pinned = [jax.device_put(a, psh) for a in dev_arrs]
         jax.block_until_ready(pinned)
-        res["h2d_pinned_one"] = timed(
+        res["h2d_pinned_one"] = wall_median(
             lambda: jax.block_until_ready([jax.device_put(p, dsh) for p in pinned]),
             args.repeats)
-        res["d2h_pinned_one"] = timed(
+        res["d2h_pinned_one"] = wall_median(
             lambda: jax.block_until_ready([jax.device_put(a + 0, psh) for a in dev_arrs]),
             args.repeats)
-        res["pinned_to_numpy"] = timed(lambda: [np.asarray(p) for p in pinned], args.repeats)
+        res["pinned_to_numpy"] = wall_median(lambda: [np.asarray(p) for p in pinned], args.repeats)
         split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])))
         blocks = [split(a) for a in dev_arrs]
         jax.block_until_ready(blocks)
@@ -87,14 +85,14 @@ def main() -> None:
             jax.block_until_ready(out)
             return out
 
-        res["d2h_pinned_per_block"] = timed(d2h_per_block, args.repeats)
+        res["d2h_pinned_per_block"] = wall_median(d2h_per_block, args.repeats)
         per_block = d2h_per_block()
         stack = jax.jit(lambda *xs: jnp.stack(xs))
 
         def h2d_per_block():
             jax.block_until_ready([stack(*jax.device_put(b, dsh)) for b in per_block])
 
-        res["h2d_pinned_per_block+stack"] = timed(h2d_per_block, args.repeats)
+        res["h2d_pinned_per_block+stack"] = wall_median(h2d_per_block, args.repeats)
         t0 = time.perf_counter()
         many = [d2h_per_block() for _ in range(8)]
         res["alloc_8x_per_block"] = time.perf_counter() - t0
