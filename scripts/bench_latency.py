@@ -8,21 +8,17 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jprefix.benchmarks import latency
+from jprefix.benchmarks.cli import run_script
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=latency.__doc__.split("\n\n")[0],
-                                     conflict_handler="resolve")
-    latency.add_latency_args(parser)
-    return latency.main(parser.parse_args(argv))
+    return run_script("latency", argv)
 
 
 if __name__ == "__main__":

@@ -7,21 +7,17 @@ from the checkout, with the same flags.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jprefix.benchmarks import throughput
+from jprefix.benchmarks.cli import run_script
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=throughput.__doc__.split("\n\n")[0],
-                                     conflict_handler="resolve")
-    throughput.add_throughput_args(parser)
-    return throughput.main(parser.parse_args(argv))
+    return run_script("throughput", argv)
 
 
 if __name__ == "__main__":
