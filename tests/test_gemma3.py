@@ -9,16 +9,24 @@ by name.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from hf_parity import (
+    dense_greedy,
+    dense_logits,
+    dense_tokens,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    randomize_and_save,
+    shared_prefix_prompts,
+)
 
-from jprefix import LLM, SamplingParams
+from jprefix import LLM
 from models.config import ModelConfig
 from models.loader import load
-from models.reference import dense_forward, dense_generate
 
 PALLAS = "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
 WINDOW = 16
@@ -34,10 +42,7 @@ def gemma(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gemma3")
     torch.manual_seed(0)
     hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**SHAPE)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():  # Gemma's norms scale by 1 + w
-            p.copy_(0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    hf.save_pretrained(directory)
+    randomize_and_save(hf, directory, std=0.3, norm_mean=0.0)  # Gemma's norms: 1 + w
     return hf, load(directory, dtype="float32")
 
 
@@ -51,37 +56,25 @@ def test_config_reads_gemma3_fields(gemma):
 def test_logits_match_transformers_past_the_window(gemma):
     hf, model = gemma
     ids = np.random.default_rng(0).integers(3, 128, (2, 3 * WINDOW + 7))
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(dense_forward(model.params, model.config, jnp.asarray(ids)))
-    with torch.no_grad():
-        want = hf(torch.tensor(ids)).logits.numpy()
-    assert np.abs(got - want).max() < 1e-4
+    assert np.abs(dense_logits(model, ids) - hf_logits(hf, ids)).max() < 1e-4
 
 
 def test_greedy_tokens_match_transformers(gemma):
     hf, model = gemma
     prompt = np.random.default_rng(1).integers(3, 128, 3 * WINDOW).tolist()
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    with jax.default_matmul_precision("highest"):
-        assert dense_generate(model.params, model.config, prompt, 10, eos_token_ids=()) == want
+    assert dense_greedy(model, prompt, 10) == hf_greedy(hf, prompt, 10)
 
 
 @pytest.mark.parametrize("backend", ["xla", PALLAS])
 def test_engine_greedy_equals_dense(gemma, backend):
     _, model = gemma
-    rng = np.random.default_rng(2)
-    shared = rng.integers(3, 128, 40).tolist()
-    prompts = [shared + rng.integers(3, 128, n).tolist() for n in (2, 19)]
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = shared_prefix_prompts(2, 40, [2, 19])
+    want = dense_tokens(model, prompts, 8)
     llm = LLM(model, block_size=8, num_kv_blocks=48, attention_backend=backend,
               unroll_layers=backend != "xla")
     for _ in range(2):  # the second round hits the 40-token prefix (longer than the window)
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        for p, o in zip(prompts, outs, strict=True):
-            assert o.token_ids == dense_generate(model.params, model.config, p, 8,
-                                                 eos_token_ids=())
+        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
     assert all(o.num_cached_tokens >= 40 for o in outs)
 
 

@@ -11,34 +11,19 @@ tests/test_window_model.py.)
 
 import numpy as np
 import pytest
+from hf_parity import dense_tokens, greedy, shared_prefix_prompts
 from test_gemma3 import gemma  # noqa: F401  (the module fixture)
 
-from jprefix import LLM, SamplingParams
+from jprefix import LLM
 from jprefix.core.block_manager import NULL_BLOCK
-from models.reference import dense_generate
 
 WINDOW, BS = 16, 8
-
-
-def _greedy(n):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def _prompts(seed, shared, unique):
-    rng = np.random.default_rng(seed)
-    prefix = rng.integers(3, 128, shared).tolist()
-    return [prefix + rng.integers(3, 128, n).tolist() for n in unique]
-
-
-def _dense(model, prompts, n):
-    return [dense_generate(model.params, model.config, p, n, eos_token_ids=())
-            for p in prompts]
 
 
 @pytest.mark.parametrize("mode", ["off", "explicit", "auto", "one table"])
 def test_hybrid_greedy_equals_dense_and_one_table(gemma, mode):  # noqa: F811
     _, model = gemma
-    prompts = _prompts(4, 3 * WINDOW, [2, 13, 27])  # 50-75 tokens, windows of 16
+    prompts = shared_prefix_prompts(4, 3 * WINDOW, [2, 13, 27])  # 50-75 tokens, windows of 16
     llm = LLM(model, block_size=BS, num_kv_blocks=160, enable_prefix_caching=mode != "off",
               disable_hybrid_kv_cache_manager=mode == "one table", enable_cascade=True,
               cascade_min_group=2, cascade_min_blocks=1)
@@ -48,9 +33,9 @@ def test_hybrid_greedy_equals_dense_and_one_table(gemma, mode):  # noqa: F811
         assert engine.kv_groups.windows == (None, WINDOW, WINDOW)
         assert engine.runner.kv_cache[0].shape[:3] == (1, 2, 160)
     prefix = 3 * WINDOW if mode == "explicit" else None
-    want = _dense(model, prompts, 12)
+    want = dense_tokens(model, prompts, 12)
     for _ in range(2):  # the second round hits the 48-token prefix: 3 windows long
-        outs = llm.generate(prompts, _greedy(12), prefix_pos=prefix, use_tqdm=False)
+        outs = llm.generate(prompts, greedy(12), prefix_pos=prefix, use_tqdm=False)
         assert [o.token_ids for o in outs] == want
     if mode != "off":
         assert all(o.num_cached_tokens >= 3 * WINDOW for o in outs)
@@ -65,11 +50,11 @@ def test_hybrid_greedy_equals_dense_and_one_table(gemma, mode):  # noqa: F811
 
 def test_window_pages_are_freed_as_a_sequence_decodes(gemma):  # noqa: F811
     _, model = gemma
-    (prompt,) = _prompts(6, 40, [1])
+    (prompt,) = shared_prefix_prompts(6, 40, [1])
     llm = LLM(model, block_size=BS, num_kv_blocks=64, enable_prefix_caching=False,
               async_scheduling=False)
     engine = llm.engine
-    engine.add_request("a", prompt, _greedy(40))
+    engine.add_request("a", prompt, greedy(40))
     tokens, decodes = [], 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -87,7 +72,7 @@ def test_window_pages_are_freed_as_a_sequence_decodes(gemma):  # noqa: F811
             held = len(seq.block_table) + sum(len(t) - t.count(NULL_BLOCK)
                                               for t in seq.group_tables)
             assert engine.scheduler.block_manager.num_used_blocks == held
-    assert decodes == 38 and tokens == _dense(model, [prompt], 40)[0]
+    assert decodes == 38 and tokens == dense_tokens(model, [prompt], 40)[0]
 
 
 def test_same_memory_serves_without_the_preemptions_one_table_needs(gemma):  # noqa: F811
@@ -96,9 +81,9 @@ def test_same_memory_serves_without_the_preemptions_one_table_needs(gemma):  # n
     preempt; the hybrid cache's 90 one-layer pages hold the full layer's 39 and each
     window layer's ~3 per sequence."""
     _, model = gemma
-    prompts = _prompts(7, 40, [18, 21, 25])
-    sp = _greedy(40)
-    want = _dense(model, prompts, 40)
+    prompts = shared_prefix_prompts(7, 40, [18, 21, 25])
+    sp = greedy(40)
+    want = dense_tokens(model, prompts, 40)
     runs = {}
     for hybrid, blocks in ((True, 90), (False, 30), (True, 48)):  # (48: hybrid preempts)
         llm = LLM(model, block_size=BS, num_kv_blocks=blocks, max_num_batched_tokens=32,
@@ -140,8 +125,8 @@ def test_speculation_over_one_table_equals_dense(gemma):  # noqa: F811
     prompts = [motif * 6 + rng.integers(3, 128, n).tolist() for n in (3, 11)]  # > window
     llm = LLM(model, block_size=BS, num_kv_blocks=64, speculative_config=_NGRAM,
               disable_hybrid_kv_cache_manager=True)
-    outs = llm.generate(prompts, _greedy(24), use_tqdm=False)
-    assert [o.token_ids for o in outs] == _dense(model, prompts, 24)
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert [o.token_ids for o in outs] == dense_tokens(model, prompts, 24)
     assert llm.engine.stats.spec.num_drafts > 0
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks - 1

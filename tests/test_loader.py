@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_parity import dense_logits, hf_logits, randomize_and_save
 
 from models.config import PRESETS, ModelConfig
 from models.loader import load
@@ -41,11 +42,7 @@ def _save_random_hf_model(cfg: ModelConfig, directory, seed=0, **save_kw):
     """A transformers model with random (non-trivial) weights, saved as safetensors."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(_hf_config(cfg)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.save_pretrained(directory, **save_kw)
-    return model
+    return randomize_and_save(model, directory, std=0.15, **save_kw)
 
 
 PARITY = [("tiny-llama", {}), ("tiny-llama3", {}), ("tiny-mistral", {}), ("tiny-qwen2", {}),
@@ -63,11 +60,8 @@ def test_logits_match_transformers_float32(name, save_kw, tmp_path):
     loaded = load(tmp_path, dtype="float32")
     assert loaded.config == cfg and loaded.tokenizer is None
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24))
-    with torch.no_grad():
-        want = hf(torch.tensor(ids)).logits.numpy()
-    with jax.default_matmul_precision("highest"):  # (XLA on a GPU: TF32 otherwise)
-        got = np.asarray(dense_forward(loaded.params, loaded.config, jnp.asarray(ids)))
-    diff = float(np.abs(got - want).max())
+    want = hf_logits(hf, ids)
+    diff = float(np.abs(dense_logits(loaded, ids) - want).max())
     print(f"{name}{' sharded' if save_kw else ''}: max abs logit diff {diff:.2e} "
           f"(max |logit| {np.abs(want).max():.1f})")
     assert diff < 1e-4

@@ -14,11 +14,19 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_parity import (
+    dense_greedy,
+    dense_logits,
+    dense_tokens,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    randomize_and_save,
+)
 
-from jprefix import LLM, SamplingParams
+from jprefix import LLM
 from models.config import PRESETS, ModelConfig, from_hf_config
 from models.loader import load
-from models.reference import dense_forward, dense_generate
 
 BS = 8
 
@@ -49,13 +57,7 @@ def save_random_hf_model(cfg: ModelConfig, directory, seed: int = 0, **extra):
     saved with save_pretrained; returns the torch model (float32, eval)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg, **extra))
-    model = model.float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else 0.15 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    return model
+    return randomize_and_save(model.float().eval(), directory, std=0.15)
 
 
 def check_parity(hf_model, loaded, length: int = 24, new_tokens: int = 8) -> None:
@@ -63,23 +65,12 @@ def check_parity(hf_model, loaded, length: int = 24, new_tokens: int = 8) -> Non
     greedy generation equal to the dense reference's."""
     cfg = loaded.config
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, length))
-    with torch.no_grad():
-        want = hf_model(torch.tensor(ids)).logits.numpy()
-        hf_tokens = hf_model.generate(torch.tensor(ids[:1]), max_new_tokens=new_tokens,
-                                      do_sample=False, eos_token_id=None,
-                                      min_new_tokens=new_tokens)[0, length:].tolist()
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(dense_forward(loaded.params, cfg, jnp.asarray(ids)))
-        tokens = dense_generate(loaded.params, cfg, ids[0].tolist(), new_tokens,
-                                eos_token_ids=())
-    diff = float(np.abs(got - want).max())
+    want = hf_logits(hf_model, ids)
+    diff = float(np.abs(dense_logits(loaded, ids) - want).max())
     print(f"{cfg.arch}: max abs logit diff {diff:.2e} (max |logit| {np.abs(want).max():.1f})")
     assert diff < 1e-4
-    assert tokens == hf_tokens
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    prompt = ids[0].tolist()
+    assert dense_greedy(loaded, prompt, new_tokens) == hf_greedy(hf_model, prompt, new_tokens)
 
 
 def check_engine_modes(model, **llm_kw) -> None:
@@ -90,8 +81,7 @@ def check_engine_modes(model, **llm_kw) -> None:
     shared = rng.integers(3, model.config.vocab_size, 21).tolist()
     prompts = [shared + rng.integers(3, model.config.vocab_size, n).tolist()
                for n in (1, 6, 13)]
-    want = [dense_generate(model.params, model.config, p, 5, eos_token_ids=())
-            for p in prompts]
+    want = dense_tokens(model, prompts, 5)
     for mode in ("explicit", "auto", "off"):
         llm = LLM(model, block_size=BS, enable_prefix_caching=mode != "off",
                   num_kv_blocks=48, **llm_kw)
@@ -125,7 +115,7 @@ def test_qwen3_fused_layout_normalises_before_the_fused_rope_kernel(qwen3):
     rope_write_kv rotates them (interpreted Pallas kernels)."""
     model = qwen3[1]
     prompt = np.random.default_rng(2).integers(3, 256, 19).tolist()
-    want = dense_generate(model.params, model.config, prompt, 4, eos_token_ids=())
+    (want,) = dense_tokens(model, [prompt], 4)
     llm = LLM(model, block_size=BS, num_kv_blocks=32, unroll_layers=True,
               attention_backend="pallas-interpret")
     assert llm.engine.runner.params.layout == "fused"

@@ -16,13 +16,23 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_parity import (
+    dense_greedy,
+    dense_logits,
+    dense_tokens,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    randomize_and_save,
+    shared_prefix_prompts,
+)
 from subprocess_checks import assert_check, check_names
 from test_tensor_parallel import PRELUDE, two_device_run
 
-from jprefix import LLM, SamplingParams
+from jprefix import LLM
 from models.config import ModelConfig
 from models.loader import load
-from models.reference import dense_forward, dense_generate
+from models.reference import dense_forward
 
 WINDOW, BS = 24, 8
 PALLAS = "pallas" if jax.default_backend() == "gpu" else "pallas-interpret"
@@ -36,12 +46,7 @@ def _save(hf_config, directory, seed=0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         hf_config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else 0.3 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    return model
+    return randomize_and_save(model, directory, std=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -61,21 +66,14 @@ def qwen2_mixed(tmp_path_factory):
     return _save(cfg, directory, seed=1), load(directory, dtype="float32")
 
 
-def _hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor(ids)).logits.numpy()
-
-
 @pytest.mark.parametrize("which", ["mistral", "qwen2_mixed"])
 def test_logits_match_transformers_past_the_window(which, request):
     hf, model = request.getfixturevalue(which)
     windows = model.config.layer_windows
     assert windows == ((WINDOW, WINDOW) if which == "mistral" else (None, 16, 16))
     ids = np.random.default_rng(0).integers(3, 128, (2, 3 * WINDOW + 5))
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(dense_forward(model.params, model.config, jnp.asarray(ids)))
-    want = _hf_logits(hf, ids)
-    assert np.abs(got - want).max() < 1e-4
+    want = hf_logits(hf, ids)
+    assert np.abs(dense_logits(model, ids) - want).max() < 1e-4
     # the window matters: without it the late positions' logits differ
     no_window = dataclasses.replace(model.config, sliding_window=None, layer_types=None)
     with jax.default_matmul_precision("highest"):
@@ -86,35 +84,21 @@ def test_logits_match_transformers_past_the_window(which, request):
 def test_greedy_tokens_match_transformers(mistral):
     hf, model = mistral
     prompt = np.random.default_rng(1).integers(3, 128, 2 * WINDOW).tolist()
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    with jax.default_matmul_precision("highest"):
-        assert dense_generate(model.params, model.config, prompt, 12, eos_token_ids=()) == want
-
-
-def _greedy(n):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def _prompts(seed, shared, unique):
-    rng = np.random.default_rng(seed)
-    prefix = rng.integers(3, 128, shared).tolist()
-    return [prefix + rng.integers(3, 128, n).tolist() for n in unique]
+    assert dense_greedy(model, prompt, 12) == hf_greedy(hf, prompt, 12)
 
 
 @pytest.mark.parametrize("backend,mode", [  # (interpret mode is slow: Pallas once)
     ("xla", "off"), ("xla", "explicit"), ("xla", "auto"), (PALLAS, "auto")])
 def test_engine_greedy_equals_dense_with_cache_modes(mistral, mode, backend):
     _, model = mistral
-    prompts = _prompts(2, 2 * WINDOW, [3, 17, 30])  # 51-78 tokens, windows of 24
-    want = [dense_generate(model.params, model.config, p, 16, eos_token_ids=()) for p in prompts]
+    prompts = shared_prefix_prompts(2, 2 * WINDOW, [3, 17, 30])  # 51-78 tokens, windows 24
+    want = dense_tokens(model, prompts, 16)
     llm = LLM(model, block_size=BS, num_kv_blocks=96, enable_prefix_caching=mode != "off",
               attention_backend=backend, enable_cascade=True, cascade_min_group=2,
               cascade_min_blocks=1, unroll_layers=backend != "xla")  # (Pallas: fused Q/K/V)
     prefix = 2 * WINDOW if mode == "explicit" else None
     for _ in range(2):  # the second round hits the 48-token prefix: longer than the window
-        outs = llm.generate(prompts, _greedy(16), prefix_pos=prefix, use_tqdm=False)
+        outs = llm.generate(prompts, greedy(16), prefix_pos=prefix, use_tqdm=False)
         assert [o.token_ids for o in outs] == want
     if mode != "off":
         assert all(o.num_cached_tokens >= 2 * WINDOW for o in outs)
@@ -130,13 +114,11 @@ def test_freed_window_blocks_let_long_sequences_run_without_preemption(mistral):
     preemptions with these 19); 19 fit them all at once when each holds only its
     window's blocks and its chunk's."""
     _, model = mistral
-    prompts = _prompts(5, 2 * WINDOW, [3, 17, 30])
+    prompts = shared_prefix_prompts(5, 2 * WINDOW, [3, 17, 30])
     llm = LLM(model, block_size=BS, num_kv_blocks=20, max_num_batched_tokens=16,
               enable_prefix_caching=False)
-    outs = llm.generate(prompts, _greedy(16), use_tqdm=False)
-    for p, o in zip(prompts, outs, strict=True):
-        assert o.token_ids == dense_generate(model.params, model.config, p, 16,
-                                             eos_token_ids=())
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    assert [o.token_ids for o in outs] == dense_tokens(model, prompts, 16)
     assert llm.engine.stats.num_preemptions == 0
 
 
@@ -146,15 +128,14 @@ def test_engine_mixed_window_and_full_layers_equal_dense(qwen2_mixed, backend, u
     lax.cond); unrolled ones get it static. (One block table for every layer: the
     hybrid cache, which plans no cascade, is tests/test_hybrid_engine.py's.)"""
     _, model = qwen2_mixed
-    prompts = _prompts(3, 40, [2, 21])
+    prompts = shared_prefix_prompts(3, 40, [2, 21])
     llm = LLM(model, block_size=BS, num_kv_blocks=64, enable_cascade=True,
               cascade_min_group=2, cascade_min_blocks=1, attention_backend=backend,
               unroll_layers=unroll, disable_hybrid_kv_cache_manager=True)
+    want = dense_tokens(model, prompts, 10)
     for _ in range(2):
-        outs = llm.generate(prompts, _greedy(10), use_tqdm=False)
-        for p, o in zip(prompts, outs, strict=True):
-            assert o.token_ids == dense_generate(model.params, model.config, p, 10,
-                                                 eos_token_ids=())
+        outs = llm.generate(prompts, greedy(10), use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
     assert any(shape[4] for shape in llm.engine.runner.shapes_seen)  # cascade steps
 
 
