@@ -15,12 +15,10 @@ from hypothesis import strategies as st
 from test_scheduler import (
     EOS,
     WORKLOAD,
-    AsyncStepper,
     V,
     check_workload_outputs,
     reference_output,
-    run_workload,
-    workload_seqs,
+    run_random_workload,
 )
 from test_scheduler import step as scheduler_step
 
@@ -139,9 +137,7 @@ def test_random_hybrid_workload_frees_window_pages_and_matches_the_model(
     sched, runner = make(num_blocks * 3, block_size, window, max_num_batched_tokens=budget,
                          max_num_seqs=4, enable_chunked_prefill=chunked,
                          enable_prefix_caching=caching)
-    stepper = AsyncStepper(sched, runner, check) if async_ else None
-    seqs = workload_seqs(reqs)
-    run_workload(sched, runner, reqs, seqs, stepper, step)
+    seqs = run_random_workload(sched, runner, reqs, async_, check)
     check_workload_outputs(sched, seqs, lambda p, sp: hybrid_output(p, sp, window))
 
 

@@ -369,6 +369,17 @@ def run_workload(sched: Scheduler, runner: FakeRunner, reqs: list[Request],
     raise AssertionError("workload did not finish")
 
 
+def run_random_workload(sched: Scheduler, runner: FakeRunner, reqs: list[Request],
+                        async_: bool, invariants=check) -> list[Sequence]:
+    """The requests' sequences run to the end, with async scheduling or without,
+    `invariants` checked after every schedule and update; returns the sequences."""
+    stepper = AsyncStepper(sched, runner, invariants) if async_ else None
+    seqs = workload_seqs(reqs)
+    run_workload(sched, runner, reqs, seqs, stepper,
+                 lambda s, r: step(s, r, invariants))
+    return seqs
+
+
 def check_workload_outputs(sched: Scheduler, seqs: list[Sequence], reference) -> None:
     """After a workload: every block free; every sequence finished, its output a prefix
     of reference(prompt, sampling_params), all of it unless aborted or refused."""
@@ -389,9 +400,7 @@ def test_random_workload_completes_with_balanced_refs(
     sched, runner = make(num_blocks, block_size, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                          enable_prefix_caching=caching)
-    stepper = AsyncStepper(sched, runner) if async_ else None
-    seqs = workload_seqs(reqs)
-    run_workload(sched, runner, reqs, seqs, stepper)
+    seqs = run_random_workload(sched, runner, reqs, async_)
     bm = sched.block_manager
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     check_workload_outputs(sched, seqs, reference_output)
