@@ -30,6 +30,14 @@ class Server:
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}"
 
+    def openai_client(self, api_key: str, **kwargs):
+        """An `openai.OpenAI` client of this server that never retries (a test sees the
+        server's first answer); kwargs as the client takes them (timeout ...)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
+                             **kwargs)
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)

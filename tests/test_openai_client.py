@@ -33,8 +33,7 @@ def server(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
-                         timeout=120)
+    return server.openai_client(KEY, timeout=120)
 
 
 def _get(server, path, **kw):
@@ -122,8 +121,7 @@ def test_defect4_an_oversized_body_gets_413(client):
 
 def test_defect5_a_client_leaving_a_plain_request_aborts_it(server):
     before = _metrics(server)["vllm:request_success_total[abort]"]
-    impatient = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
-                              timeout=1.0)
+    impatient = server.openai_client(KEY, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=NAME, prompt="Tell a long story.", max_tokens=900,
                                      extra_body={"ignore_eos": True})
@@ -192,7 +190,7 @@ def test_defect9_errors_are_openai_json_and_include_usage_is_honoured(server, cl
 
 
 def test_defect10_api_key_and_typed_special_tokens(server, client):
-    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0)
+    wrong = server.openai_client("sk-wrong")
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
     bare = httpx.get(f"{server.url}/v1/models")

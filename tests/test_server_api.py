@@ -34,8 +34,7 @@ def server(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
-                         timeout=120)
+    return server.openai_client(KEY, timeout=120)
 
 
 def post(server, path, body, auth=f"Bearer {KEY}"):
