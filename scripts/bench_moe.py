@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +54,7 @@ from models.moe import experts
 from models.moe import grouped_matmul as ragged_matmul
 from pallas_kernels.grouped_matmul import GmmTiling, gmm_tiling
 from pallas_kernels.grouped_matmul import grouped_matmul as gmm
+from scripts.kernel_timing import timeit
 
 BANDWIDTH, FLOPS = 4.3e12, 790e12
 # name: (experts X, hidden E, expert hidden F, top-k)
@@ -133,22 +133,15 @@ def compile_one(fn, args, flags: dict):
 
 
 def time_call(fn, args, budget_s: float, max_reps: int) -> float:
-    """Median seconds per call: reps of back-to-back calls, each rep synchronised once,
-    as many reps (3..max_reps) as fit in about budget_s."""
+    """Median seconds per call (`kernel_timing.timeit`): reps of back-to-back calls,
+    each rep synchronised once, as many reps (3..max_reps) as fit in about budget_s."""
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     once = time.perf_counter() - start
     inner = max(1, min(10, int(0.02 / max(once, 1e-6))))
     reps = int(max(3, min(max_reps, budget_s / max(once * inner, 1e-6))))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
+    return timeit(fn, *args, reps=reps, inner=inner)
 
 
 def make_weights(key, layers: int, x_: int, e: int, f: int, dtype, fp8: bool):

@@ -1,5 +1,6 @@
 """Timing and test cases shared by the kernel benchmarks (bench_kernels, bench_write_kv,
-bench_cascade, bench_gemm, sweep_attention).
+bench_cascade, bench_gemm, bench_moe, sweep_attention; the copy timings of bench_offload
+and probe_offload_copy).
 
 Times: `timeit` is the wall time of back-to-back calls (`wall_median`: of calls that
 sync themselves, e.g. host copies); `device_times` reads a
