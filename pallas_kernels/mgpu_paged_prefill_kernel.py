@@ -41,9 +41,10 @@ def kernel(meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs, cfg, scale: 
                turn):
         tile, head = lax.axis_index("tile"), lax.axis_index("head")
         wg = lax.axis_index("wg")
-        seq, tok0, valid = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
-        first_pos, kv_len = meta_ref[tile, 3], meta_ref[tile, 4]
-        kv_hi = lax.max(lax.min(first_pos + valid, kv_len), 0)
+        seq, block, lo, n = (meta_ref[tile, i] for i in range(4))
+        pos0, kv_len = meta_ref[tile, 4], meta_ref[tile, 5]
+        first_pos = pos0 + lo  # the first valid row's position
+        kv_hi = lax.max(lax.min(first_pos + n, kv_len), 0)
         max_steps = bt_ref.shape[1] // pages
         n_steps = lax.min(lax.div(kv_hi + (c.block_kv - 1), c.block_kv), max_steps)
         # steps below n_full hold keys <= first_pos: every valid row sees them whole
@@ -52,7 +53,7 @@ def kernel(meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs, cfg, scale: 
         tiles = _TileRefs(q_smem, k_smem, v_smem, o_smem, k_full, v_full, q_full, k_free,
                           v_free, turn)
 
-        @pl.when(valid > 0)
+        @pl.when(n > 0)
         def _live():
             @pl.when(wg == wgs)
             def _producer():
@@ -66,7 +67,8 @@ def kernel(meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs, cfg, scale: 
                 if wgs == 2:
                     plgpu.set_max_registers(232, action="increase")
                 slope = slopes_ref[head] if alibi else None
-                _consume(tiles, q_ref, o_ref, wg, head, tok0, valid, first_pos, n_steps,
+                rows = (block * c.block_q + wg * ROWS, lo - wg * ROWS, n)  # (this wg's)
+                _consume(tiles, q_ref, o_ref, wg, head, rows, pos0 + wg * ROWS, n_steps,
                          n_full, c=c, scale=scale, slope=slope)
 
     ring = (stages, c.block_kv, HEAD_DIM)
@@ -132,15 +134,16 @@ def _row_vec(value: float):
                              plgpu.Layout.WGMMA.reduce(1))
 
 
-def _consume(t: _TileRefs, q_ref, o_ref, wg, head, tok0, valid, first_pos, n_steps, n_full,
-             *, c, scale: float, slope):
-    """Consumer warpgroup `wg`: rows tok0 + 64 wg .. + 63 of the tile (query head `head`)
-    over the tile's key steps; stores its valid rows."""
-    row0 = tok0 + wg * ROWS
+def _consume(t: _TileRefs, q_ref, o_ref, wg, head, rows, q_pos0, n_steps, n_full, *, c,
+             scale: float, slope):
+    """Consumer warpgroup `wg`: query rows row0 .. row0 + 63 (row0 a multiple of 64) of
+    head `head` over the tile's key steps, row i at position q_pos0 + i; stores its rows
+    i in [lo, lo + n) (`rows` = (row0, lo, n), lo may be negative)."""
+    row0, lo, n = rows
     q_smem = t.q.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS), head], q_smem, t.q_full.at[wg])
+    q_rows = q_ref.at[pl.ds(row0, ROWS), pl.ds(head * HEAD_DIM, HEAD_DIM)]  # q: [Tp, H*D]
+    plgpu.copy_gmem_to_smem(q_rows, q_smem, t.q_full.at[wg])
     plgpu.barrier_wait(t.q_full.at[wg])
-    q_pos0 = first_pos + wg * ROWS
     unit = scale * LOG2E
     turn = t.turn if c.pingpong else None
     if turn is not None:  # consumer 1 starts a turn behind: consumer 0 goes first
@@ -198,7 +201,8 @@ def _consume(t: _TileRefs, q_ref, o_ref, wg, head, tok0, valid, first_pos, n_ste
     out = acc / lax.broadcast_in_dim(jnp.maximum(l_i, _row_vec(1e-30)), acc.shape, [0])
     t.o[wg] = out.astype(BF16)
     plgpu.commit_smem()
-    _store_rows(t.o.at[wg], o_ref, row0, head, lax.max(lax.min(valid - wg * ROWS, ROWS), 0))
+    first = lax.max(lo, 0)
+    _store_rows(t.o.at[wg], o_ref, row0, head, first, lax.max(lax.min(lo + n, ROWS) - first, 0))
 
 
 def _sync(barrier):
@@ -206,10 +210,10 @@ def _sync(barrier):
     plgpu.barrier_wait(barrier)
 
 
-def _store_rows(o_smem, o_ref, row0, head, n):
-    """o_smem's first n rows (0 <= n <= 64) to o_ref rows row0.. of `head`: TMA stores
-    of 64, 32, ..., 1 rows, the sizes of n's set bits (a TMA box's shape is static)."""
-    start = 0
+def _store_rows(o_smem, o_ref, row0, head, start, n):
+    """o_smem's rows start .. start + n - 1 (0 <= n <= 64 - start) to o_ref's rows
+    row0 + start .. of `head`: TMA stores of 64, 32, ..., 1 rows, the sizes of n's set
+    bits (a TMA box's shape is static)."""
     size = ROWS
     while size:
         @pl.when(n & size != 0)

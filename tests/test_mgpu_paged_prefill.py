@@ -1,10 +1,11 @@
 """pallas_kernels.mgpu_paged_prefill (Mosaic GPU prefill attention).
 
-CPU: the input refusals by name; Mosaic GPU's lowering of the kernel for CUDA (run in
-Python on the CPU: shapes, layouts, TMA slices, barriers) over the configs and options;
-a numpy model of the kernel's schedule (tiles of 64-row warpgroups, key steps of
-block_kv, unmasked steps then the causal edge, the ALiBi fold, the ragged store)
-against `paged_attention_reference`. GPU (a Hopper GPU and jax >= 0.11.2, as
+CPU: the input refusals by name; the aligned row tiles (`row_block_tiles`); Mosaic
+GPU's lowering of the kernel for CUDA (run in Python on the CPU: shapes, TMA slices,
+barriers, wgmma operands, layouts) over the configs, options and both lowering
+semantics; a numpy model of the kernel's schedule (aligned 64-row warpgroup blocks, key
+steps of block_kv, unmasked steps then the causal edge, the ALiBi fold, the ragged
+store) against `paged_attention_reference`. GPU (a Hopper GPU and jax >= 0.11.2, as
 test_mgpu_fp8_matmul): the kernel against the reference over a prefill grid, the output
 poisoned through the allocator first (a NaN array of the output's size is freed just
 before each call, so an element the kernel never wrote most likely reads NaN)."""
@@ -19,7 +20,6 @@ from test_paged_attention import make_batch, rel_err
 
 from pallas_kernels.backend import mosaic_available
 from pallas_kernels.paged_attention import paged_attention_reference
-from pallas_kernels.paged_attention_tiling import tile_metadata
 
 absl = pytest.importorskip("absl", reason="Mosaic GPU's Python package imports absl")
 mgpu = pytest.importorskip("pallas_kernels.mgpu_paged_prefill")
@@ -81,9 +81,12 @@ def test_call_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("config,alibi,heads", [
     (c, a, hh) for c, (a, hh) in itertools.product(
         CONFIGS, [(False, (4, 2)), (True, (8, 1))])])
-def test_lowers_for_cuda(config, alibi, heads):
-    """Mosaic GPU's lowering (Python, on the CPU) accepts the kernel: every TMA slice,
-    barrier, wgmma operand and register layout type-checks for CUDA."""
+@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
+def test_lowers_for_cuda(config, alibi, heads, semantics, monkeypatch):
+    """Mosaic GPU's lowering (Python, on the CPU) accepts the kernel under either
+    lowering semantics: every TMA slice, barrier, wgmma operand and register layout
+    type-checks for CUDA (with Warpgroup semantics, layout inference solves)."""
+    monkeypatch.setattr(mgpu, "LOWERING", getattr(mgpu.plgpu.LoweringSemantics, semantics))
     sd = jax.ShapeDtypeStruct
     t, h, cache = 300, heads[0], (2, heads[1], 64, 16, 128)
     args = (sd((t, h, 128), BF16), sd(cache, BF16), sd(cache, BF16), sd((), jnp.int32),
@@ -96,8 +99,8 @@ def test_lowers_for_cuda(config, alibi, heads):
 
 def tiled_model(b, scale, config, slopes=None):
     """The kernel's schedule in numpy (float32, P rounded to bf16 as the kernel feeds
-    it to wgmma): per tile x head x warpgroup, the key steps, masks and store of
-    `mgpu_paged_prefill_kernel`. Rows no tile stores stay NaN."""
+    it to wgmma): per tile x head x warpgroup, the aligned query rows, key steps, masks
+    and store of `mgpu_paged_prefill_kernel`. Rows no tile stores stay NaN."""
     q = np.asarray(b["q"], np.float32)
     layer = int(b["layer"])
     kc, vc = (np.asarray(b[n], np.float32)[layer] for n in ("k_cache", "v_cache"))
@@ -106,22 +109,23 @@ def tiled_model(b, scale, config, slopes=None):
     pages = bkv // bs
     tables = np.asarray(b["block_tables"])
     tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
-    meta = np.asarray(tile_metadata(b["cu_q_lens"], b["kv_lens"], t, config.block_q))
+    meta = np.asarray(mgpu.row_block_tiles(b["cu_q_lens"], b["kv_lens"], t, config.block_q))
     out = np.full((t, h, d), np.nan, np.float32)
     unit = scale * np.log2(np.e)
-    for seq, tok0, valid, first_pos, kv_len in meta:
-        kv_hi = max(min(first_pos + valid, kv_len), 0)
+    for seq, block, lo, n, pos0, kv_len in meta:
+        kv_hi = max(min(pos0 + lo + n, kv_len), 0)
         n_steps = min(-(-kv_hi // bkv), tables.shape[1] // pages)
-        n_full = min(max(first_pos + 1, 0) // bkv, n_steps)
-        for head, w in itertools.product(range(h) if valid else [], range(config.compute_wgs)):
-            rows = tok0 + w * 64 + np.arange(64)
+        n_full = min(max(pos0 + lo + 1, 0) // bkv, n_steps)
+        for head, w in itertools.product(range(h) if n else [], range(config.compute_wgs)):
+            rows = block * config.block_q + w * 64 + np.arange(64)
             qt = np.where((rows < t)[:, None], q[np.minimum(rows, t - 1), head], 0.0)
             acc, m, l_sum = np.zeros((64, d)), np.full(64, -1e30), np.zeros(64)
+            q_pos = pos0 + w * 64 + np.arange(64)
             for j in range(n_steps):
                 ids = tables[seq, j * pages:(j + 1) * pages]
                 keys, vals = (c[head // (h // kh), ids].reshape(bkv, d) for c in (kc, vc))
                 s = qt @ keys.T
-                q_pos, k_pos = rows - tok0 + first_pos, j * bkv + np.arange(bkv)
+                k_pos = j * bkv + np.arange(bkv)
                 if slopes is not None:
                     s = s + (k_pos[None] - q_pos[:, None]) * (float(slopes[head]) / scale)
                 if j >= n_full:
@@ -132,9 +136,34 @@ def tiled_model(b, scale, config, slopes=None):
                 l_sum = l_sum * alpha + p.sum(1)
                 p16 = np.asarray(jnp.asarray(p, BF16), np.float32)
                 acc, m = acc * alpha[:, None] + p16 @ vals, m_new
-            n = int(np.clip(valid - w * 64, 0, 64))
-            out[rows[:n], head] = (acc / np.maximum(l_sum, 1e-30)[:, None])[:n]
+            first = max(lo - w * 64, 0)
+            stored = slice(first, max(min(lo + n - w * 64, 64), first))
+            assert np.isnan(out[rows[stored], head]).all(), "a row stored twice"
+            out[rows[stored], head] = (acc / np.maximum(l_sum, 1e-30)[:, None])[stored]
     return out
+
+
+@pytest.mark.parametrize("seqs,t,block_q", [
+    ([5, 0, 70, 1, 64, 200], 350, 128), ([5, 0, 70, 1, 64, 200], 340, 64),
+    ([128, 128], 256, 128), ([3], 3, 64), ([0, 0], 9, 128)])
+def test_row_block_tiles(seqs, t, block_q):
+    """Every row is one tile's, at its sequence's position; blocks are aligned; tiles
+    past the last are empty."""
+    cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
+    kv = np.asarray(seqs, np.int32) + 7
+    meta = np.asarray(mgpu.row_block_tiles(jnp.asarray(cu), jnp.asarray(kv), t, block_q))
+    assert meta.shape == (-(-t // block_q) + len(seqs), 6)
+    owner = np.full(t, -1)
+    for seq, block, lo, n, pos0, kv_len in meta:
+        rows = block * block_q + np.arange(lo, lo + n)
+        assert (owner[rows] == -1).all() and 0 <= lo and lo + n <= block_q
+        owner[rows] = seq if kv_len else len(seqs)
+        if kv_len:  # row i of the block at position pos0 + i: the last q_len of kv_len
+            assert (cu[seq] <= rows).all() and (rows < cu[seq + 1]).all()
+            np.testing.assert_array_equal(pos0 + rows - block * block_q,
+                                          kv[seq] - seqs[seq] + rows - cu[seq])
+    want = np.searchsorted(cu[1:], np.arange(t), side="right")
+    np.testing.assert_array_equal(owner, want)
 
 
 @pytest.mark.parametrize("case,config,alibi", [
