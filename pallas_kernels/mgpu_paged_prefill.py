@@ -9,17 +9,15 @@ reads KV head h // G; rows past `cu_q_lens[S]` come out as zeros. Optional ALiBi
 soft caps, `causal=False`, the log-sum-exp output, dtypes other than bf16, head dims
 other than 128, pages whose B is not a multiple of 8 dividing `block_kv`.
 
-Work: one CTA per (tile, query head), a tile being one sequence's rows within an aligned
-block of `compute_wgs` x 64 query rows (`row_block_tiles`: a TMA copy into a swizzled
-tile cannot start inside its 8-row tiling, so a block holding rows of two sequences is
-two tiles, each computing the whole block and storing its own rows; empty tiles return
-at once). A producer warpgroup walks the tile's key steps (`block_kv` keys = block_kv / B
-pages, read from the block table) and TMA-copies each page's [B, D] K and V rows into
-the step's slot of a `max_stages`-deep ring in shared memory, one barrier per slot
-counting its pages. Each
+Work: one CTA per (tile, query head), a tile being `compute_wgs` x 64 query rows from a
+multiple of 8 (`row_tiles`: a TMA copy into a swizzled tile cannot start inside its
+8-row tiling), of which it stores one sequence's; empty tiles return at once. A producer
+warpgroup walks the tile's key steps (`block_kv` keys = block_kv / B pages, read from
+the block table) and TMA-copies each page's [B, D] K and V rows into the step's slot of
+a `max_stages`-deep ring in shared memory, one barrier per slot counting its pages. Each
 consumer warpgroup TMA-loads its 64 query rows once, then per step: S = Q K^T by wgmma
-(A and B from shared memory), the online softmax in log2 units on the float32 tile
-(the causal mask only on the steps past the tile's first row), O += P V by wgmma (P from
+(A and B from shared memory), the online softmax in log2 units on the float32 tile (the
+causal mask only on the steps past the tile's first row), O += P V by wgmma (P from
 registers), and releases the slot. Both consumers walk every step of the tile, so the
 producer refills a slot once both released it. With `pingpong` the two consumers take
 turns on the tensor cores (FlashAttention-3's schedule: one's softmax overlaps the
@@ -118,35 +116,43 @@ def check_inputs(q, k_cache, **kw) -> None:
         raise ValueError(why)
 
 
-def row_block_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int,
-                    block_q: int) -> jax.Array:
-    """The kernel's tiles, int32 [cdiv(T, block_q) + S, 6]: per tile `[seq, block, lo, n,
-    pos0, kv_len]`: the rows `block * block_q + i` for i in [lo, lo + n) belong to
-    sequence `seq`, row i sits at position `pos0 + i`. The query blocks are aligned
-    (a TMA copy into a swizzled tile cannot start inside its 8-row tiling), so a block
-    holding rows of two sequences is one tile per sequence, each storing its own rows
-    (ragged_dot's scheme in JAX's Mosaic GPU examples). Rows `cu_q_lens[S]:T` form one
-    more sequence of no keys: they come out as zeros. Tiles past the last have n = 0."""
+def row_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int,
+              block_q: int) -> jax.Array:
+    """The kernel's tiles, int32 [max_tiles(T, S, block_q), 6]: per tile `[seq, row8, lo,
+    n, pos0, kv_len]`: the tile computes the block_q query rows from `row8 * 8`, of which
+    rows `row8 * 8 + i`, i in [lo, lo + n), are sequence `seq`'s and stored, row i at
+    position `pos0 + i`. A sequence's tiles start at its first row rounded down to a
+    multiple of 8 (a TMA copy into a swizzled tile cannot start inside its 8-row tiling),
+    so a tile computes at most 7 rows of the sequence before and the rows after its
+    sequence's end, and stores none of them (two tiles may load the same rows). Rows
+    `cu_q_lens[S]:T` form one more sequence of no keys: they come out as zeros. Tiles
+    past the last have n = 0."""
     s = kv_lens.shape[0]
     starts = cu_q_lens
     ends = jnp.maximum(jnp.concatenate([cu_q_lens[1:], jnp.full((1,), num_tokens, jnp.int32)]),
                        starts)
     q_lens = ends - starts
     kv = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
-    first = starts // block_q
-    count = jnp.where(q_lens > 0, (ends - 1) // block_q - first + 1, 0)
+    first = starts - starts % 8  # the sequence's first tile's first row
+    count = (ends - first + block_q - 1) // block_q * (q_lens > 0)
     tile_end = jnp.cumsum(count)
-    t = jnp.arange(-(-num_tokens // block_q) + s, dtype=jnp.int32)
+    t = jnp.arange(max_tiles(num_tokens, s, block_q), dtype=jnp.int32)
     seg = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
     live = seg <= s
     seg = jnp.minimum(seg, s)
-    block = first[seg] + t - (tile_end[seg] - count[seg])
-    lo = jnp.clip(starts[seg] - block * block_q, 0, block_q)
-    hi = jnp.clip(ends[seg] - block * block_q, 0, block_q)
-    meta = [jnp.minimum(seg, s - 1), jnp.where(live, block, 0), lo,
-            jnp.where(live, jnp.maximum(hi - lo, 0), 0),
-            kv[seg] - q_lens[seg] + block * block_q - starts[seg], jnp.where(live, kv[seg], 0)]
+    row = first[seg] + (t - (tile_end[seg] - count[seg])) * block_q
+    lo = jnp.clip(starts[seg] - row, 0, block_q)
+    n = jnp.clip(ends[seg] - row, 0, block_q) - lo
+    meta = [jnp.minimum(seg, s - 1), jnp.where(live, row // 8, 0), lo,
+            jnp.where(live, jnp.maximum(n, 0), 0), kv[seg] - q_lens[seg] + row - starts[seg],
+            jnp.where(live, kv[seg], 0)]
     return jnp.stack(meta, axis=1).astype(jnp.int32)
+
+
+def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The most tiles `row_tiles` can give: each of the S + 1 row ranges (the padding
+    rows' included) starts up to 7 rows early and ends in a partial tile."""
+    return (num_tokens + 7 * (num_seqs + 1)) // block_q + num_seqs + 1
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
@@ -174,7 +180,7 @@ def mgpu_paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # Q's TMA box (64 rows, 8-row tiles) needs rows a multiple of 8 and at least 64 each
     tp = max(-(-t // 8) * 8, c.block_q)
     qp = q if tp == t else jnp.pad(q, ((0, tp - t), (0, 0), (0, 0)))
-    meta = row_block_tiles(cu_q_lens, kv_lens, t, c.block_q)
+    meta = row_tiles(cu_q_lens, kv_lens, t, c.block_q)
     inputs = [meta, bt, jnp.asarray(layer, jnp.int32).reshape(1), qp.reshape(tp, h * d),
               k_cache, v_cache]
     if alibi_slopes is not None:

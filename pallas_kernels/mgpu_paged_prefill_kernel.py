@@ -41,7 +41,7 @@ def kernel(meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs, cfg, scale: 
                turn):
         tile, head = lax.axis_index("tile"), lax.axis_index("head")
         wg = lax.axis_index("wg")
-        seq, block, lo, n = (meta_ref[tile, i] for i in range(4))
+        seq, row8, lo, n = (meta_ref[tile, i] for i in range(4))
         pos0, kv_len = meta_ref[tile, 4], meta_ref[tile, 5]
         first_pos = pos0 + lo  # the first valid row's position
         kv_hi = lax.max(lax.min(first_pos + n, kv_len), 0)
@@ -67,7 +67,7 @@ def kernel(meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs, cfg, scale: 
                 if wgs == 2:
                     plgpu.set_max_registers(232, action="increase")
                 slope = slopes_ref[head] if alibi else None
-                rows = (block * c.block_q + wg * ROWS, lo - wg * ROWS, n)  # (this wg's)
+                rows = (row8 * 8 + wg * ROWS, lo - wg * ROWS, n)  # (this wg's)
                 _consume(tiles, q_ref, o_ref, wg, head, rows, pos0 + wg * ROWS, n_steps,
                          n_full, c=c, scale=scale, slope=slope)
 
@@ -136,7 +136,7 @@ def _row_vec(value: float):
 
 def _consume(t: _TileRefs, q_ref, o_ref, wg, head, rows, q_pos0, n_steps, n_full, *, c,
              scale: float, slope):
-    """Consumer warpgroup `wg`: query rows row0 .. row0 + 63 (row0 a multiple of 64) of
+    """Consumer warpgroup `wg`: query rows row0 .. row0 + 63 (row0 a multiple of 8) of
     head `head` over the tile's key steps, row i at position q_pos0 + i; stores its rows
     i in [lo, lo + n) (`rows` = (row0, lo, n), lo may be negative)."""
     row0, lo, n = rows

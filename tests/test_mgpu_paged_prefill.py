@@ -1,9 +1,9 @@
 """pallas_kernels.mgpu_paged_prefill (Mosaic GPU prefill attention).
 
-CPU: the input refusals by name; the aligned row tiles (`row_block_tiles`); Mosaic
+CPU: the input refusals by name; the row tiles (`row_tiles`); Mosaic
 GPU's lowering of the kernel for CUDA (run in Python on the CPU: shapes, TMA slices,
 barriers, wgmma operands, layouts) over the configs, options and both lowering
-semantics; a numpy model of the kernel's schedule (aligned 64-row warpgroup blocks, key
+semantics; a numpy model of the kernel's schedule (64-row warpgroup blocks from multiples of 8, key
 steps of block_kv, unmasked steps then the causal edge, the ALiBi fold, the ragged
 store) against `paged_attention_reference`. GPU (a Hopper GPU and jax >= 0.11.2, as
 test_mgpu_fp8_matmul): the kernel against the reference over a prefill grid, the output
@@ -109,15 +109,15 @@ def tiled_model(b, scale, config, slopes=None):
     pages = bkv // bs
     tables = np.asarray(b["block_tables"])
     tables = np.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
-    meta = np.asarray(mgpu.row_block_tiles(b["cu_q_lens"], b["kv_lens"], t, config.block_q))
+    meta = np.asarray(mgpu.row_tiles(b["cu_q_lens"], b["kv_lens"], t, config.block_q))
     out = np.full((t, h, d), np.nan, np.float32)
     unit = scale * np.log2(np.e)
-    for seq, block, lo, n, pos0, kv_len in meta:
+    for seq, row8, lo, n, pos0, kv_len in meta:
         kv_hi = max(min(pos0 + lo + n, kv_len), 0)
         n_steps = min(-(-kv_hi // bkv), tables.shape[1] // pages)
         n_full = min(max(pos0 + lo + 1, 0) // bkv, n_steps)
         for head, w in itertools.product(range(h) if n else [], range(config.compute_wgs)):
-            rows = block * config.block_q + w * 64 + np.arange(64)
+            rows = row8 * 8 + w * 64 + np.arange(64)
             qt = np.where((rows < t)[:, None], q[np.minimum(rows, t - 1), head], 0.0)
             acc, m, l_sum = np.zeros((64, d)), np.full(64, -1e30), np.zeros(64)
             q_pos = pos0 + w * 64 + np.arange(64)
@@ -145,25 +145,29 @@ def tiled_model(b, scale, config, slopes=None):
 
 @pytest.mark.parametrize("seqs,t,block_q", [
     ([5, 0, 70, 1, 64, 200], 350, 128), ([5, 0, 70, 1, 64, 200], 340, 64),
-    ([128, 128], 256, 128), ([3], 3, 64), ([0, 0], 9, 128)])
-def test_row_block_tiles(seqs, t, block_q):
-    """Every row is one tile's, at its sequence's position; blocks are aligned; tiles
-    past the last are empty."""
+    ([128, 128], 256, 128), ([3], 3, 64), ([0, 0], 9, 128), ([7] * 9, 70, 64)])
+def test_row_tiles(seqs, t, block_q):
+    """Every row is one tile's, at its sequence's position; tiles start at multiples of
+    8 at most 7 rows before their sequence; tiles past the last are empty."""
     cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
     kv = np.asarray(seqs, np.int32) + 7
-    meta = np.asarray(mgpu.row_block_tiles(jnp.asarray(cu), jnp.asarray(kv), t, block_q))
-    assert meta.shape == (-(-t // block_q) + len(seqs), 6)
+    meta = np.asarray(mgpu.row_tiles(jnp.asarray(cu), jnp.asarray(kv), t, block_q))
+    assert meta.shape == (mgpu.max_tiles(t, len(seqs), block_q), 6)
     owner = np.full(t, -1)
-    for seq, block, lo, n, pos0, kv_len in meta:
-        rows = block * block_q + np.arange(lo, lo + n)
+    for seq, row8, lo, n, pos0, kv_len in meta:
+        rows = row8 * 8 + np.arange(lo, lo + n)
         assert (owner[rows] == -1).all() and 0 <= lo and lo + n <= block_q
         owner[rows] = seq if kv_len else len(seqs)
-        if kv_len:  # row i of the block at position pos0 + i: the last q_len of kv_len
+        if kv_len:  # row i of the tile at position pos0 + i: the last q_len of kv_len
             assert (cu[seq] <= rows).all() and (rows < cu[seq + 1]).all()
-            np.testing.assert_array_equal(pos0 + rows - block * block_q,
+            assert row8 * 8 + 8 > cu[seq]
+            np.testing.assert_array_equal(pos0 + rows - row8 * 8,
                                           kv[seq] - seqs[seq] + rows - cu[seq])
     want = np.searchsorted(cu[1:], np.arange(t), side="right")
     np.testing.assert_array_equal(owner, want)
+    ends = [*cu[1:], t]
+    tiles = [-(-(e - s0 + s0 % 8) // block_q) for s0, e in zip(cu, ends, strict=True) if e > s0]
+    assert (meta[:, 3] > 0).sum() == sum(tiles)  # (no tile without a stored row)
 
 
 @pytest.mark.parametrize("case,config,alibi", [
