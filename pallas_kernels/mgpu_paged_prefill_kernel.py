@@ -31,7 +31,7 @@ def _swizzled(rows_shape: tuple[int, ...]) -> plgpu.SMEM:
 
 
 def kernel(meta_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, *refs, cfg, scale: float,
-            group: int, alibi: bool):
+           group: int, alibi: bool):
     """One CTA: tile x query head. refs = ([slopes [H]],) out [Tp, H, D]."""
     slopes_ref, o_ref = (refs[0], refs[1]) if alibi else (None, refs[0])
     c = cfg

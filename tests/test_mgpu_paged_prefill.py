@@ -27,8 +27,9 @@ mgpu = pytest.importorskip("pallas_kernels.mgpu_paged_prefill")
 ON_HOPPER = mosaic_available()
 C = mgpu.MgpuPrefillConfig
 BF16 = jnp.bfloat16
-CONFIGS = [C(), C(compute_wgs=1), C(pingpong=True), C(block_kv=64, max_stages=3),
-           C(compute_wgs=1, block_kv=64, max_stages=4)]
+CONFIGS = {"wg2": C(), "wg1": C(compute_wgs=1), "pingpong": C(pingpong=True),
+           "kv64s3": C(block_kv=64, max_stages=3),
+           "wg1kv64s4": C(compute_wgs=1, block_kv=64, max_stages=4)}
 CASES = [
     [(6, 6), (1, 1), (13, 13)],  # plain prefill incl. a one-token prompt
     [(6, 30), (2, 17), (13, 14), (4, 18)],  # prefix cached, cutting through blocks
@@ -79,8 +80,8 @@ def test_call_refuses_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("config,alibi,heads", [
-    (c, a, hh) for c, (a, hh) in itertools.product(
-        CONFIGS, [(False, (4, 2)), (True, (8, 1))])])
+    pytest.param(CONFIGS[name], a, hh, id=f"{name}-alibi{int(a)}")
+    for name, (a, hh) in itertools.product(CONFIGS, [(False, (4, 2)), (True, (8, 1))])])
 @pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
 def test_lowers_for_cuda(config, alibi, heads, semantics, monkeypatch):
     """Mosaic GPU's lowering (Python, on the CPU) accepts the kernel under either
@@ -207,14 +208,16 @@ needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Mosaic GPU kernels need
 
 @needs_hopper
 @pytest.mark.parametrize("case,heads,config", [
-    (c, hh, cfg) for c, hh, cfg in itertools.product(
-        range(len(CASES)), [(4, 4), (8, 2), (8, 1)], CONFIGS)])
+    pytest.param(c, hh, CONFIGS[name], id=f"case{c}-h{hh[0]}k{hh[1]}-{name}")
+    for c, hh, name in itertools.product(range(len(CASES)), [(4, 4), (8, 2), (8, 1)],
+                                         CONFIGS)])
 def test_kernel_matches_reference(case, heads, config):
     check_kernel(batch(CASES[case], heads=heads[0], kv_heads=heads[1], seed=case), config)
 
 
 @needs_hopper
-@pytest.mark.parametrize("config", [C(), C(pingpong=True), C(compute_wgs=1, block_kv=64)])
+@pytest.mark.parametrize("config", [C(), C(pingpong=True), C(compute_wgs=1, block_kv=64)],
+                         ids=["wg2", "pingpong", "wg1kv64"])
 @pytest.mark.parametrize("case", [1, 3])
 def test_kernel_alibi(case, config):
     check_kernel(batch(CASES[case], heads=8, kv_heads=8, seed=case), config, slopes_for(8))
