@@ -164,13 +164,15 @@ def _consume(t: _TileRefs, q_ref, o_ref, wg, head, rows, q_pos0, n_steps, n_full
         plgpu.barrier_arrive(t.k_free.at[slot])
         if slope is not None or masked:
             shape = (ROWS, c.block_kv)
-            q_pos = q_pos0 + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                    layout=plgpu.Layout.WGMMA)
             k_pos = j * c.block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                             layout=plgpu.Layout.WGMMA)
-            if slope is not None:  # slope * (k_pos - q_pos), over the scale: unit folds it
-                s = s + (k_pos - q_pos).astype(jnp.float32) * (slope / scale)
+            if slope is not None:  # slope * (k_pos - q_pos) over the scale (unit folds it
+                # in), less slope * (q_pos - q_pos0): a row's constant, which its softmax
+                # ignores, and the terms stay small near the diagonal
+                s = s + (k_pos - q_pos0).astype(jnp.float32) * (slope / scale)
             if masked:
+                q_pos = q_pos0 + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                        layout=plgpu.Layout.WGMMA)
                 s = jnp.where(q_pos >= k_pos, s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1) * unit)
         alpha = jnp.exp2(m_i - m_new)

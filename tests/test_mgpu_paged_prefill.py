@@ -128,7 +128,7 @@ def tiled_model(b, scale, config, slopes=None):
                 s = qt @ keys.T
                 k_pos = j * bkv + np.arange(bkv)
                 if slopes is not None:
-                    s = s + (k_pos[None] - q_pos[:, None]) * (float(slopes[head]) / scale)
+                    s = s + (k_pos[None] - q_pos[0]) * (float(slopes[head]) / scale)
                 if j >= n_full:
                     s = np.where(q_pos[:, None] >= k_pos[None], s, -np.inf)
                 m_new = np.maximum(m, s.max(1) * unit)
