@@ -72,11 +72,18 @@ def test_refused_by_name(kw, match):
     assert mgpu.takes(jnp.zeros((4, 2, 128), BF16), jnp.zeros((1, 2, 4, 16, 128), BF16))
 
 
-def test_call_refuses_what_it_cannot_take():
+@pytest.mark.parametrize("change,kw,match", [
+    (dict(q=lambda b: b["q"].astype(jnp.float32)), {}, "float32"),
+    (dict(v_cache=lambda b: b["v_cache"][:, :, :-1]), {}, "v_cache"),
+    (dict(q=lambda b: jnp.concatenate([b["q"], b["q"][:, :1]], 1)), {},
+     r"query heads \(5\) must be a multiple of kv heads \(2\)"),
+    ({}, dict(alibi_slopes=jnp.ones(3, jnp.float32)), r"alibi_slopes must be \[H\] = \[4\]"),
+])
+def test_call_refuses_what_it_cannot_take(change, kw, match):
     b = batch(CASES[0], block_size=8)
-    b["q"] = b["q"].astype(jnp.float32)
-    with pytest.raises(ValueError, match="float32"):
-        mgpu.mgpu_paged_prefill(**b, scale=0.1)
+    b.update({k: f(b) for k, f in change.items()})
+    with pytest.raises(ValueError, match=match):
+        mgpu.mgpu_paged_prefill(**b, scale=0.1, **kw)
 
 
 @pytest.mark.parametrize("config,alibi,heads", [
