@@ -175,7 +175,8 @@ def prefill_attention_mosaic(q, k_cache, v_cache, layer, block_tables, kv_lens, 
     """A step's paged attention (`paged_attention`'s arguments and contract, causal) by
     the Mosaic GPU prefill kernel, [T, H, D], where the table (or the override) chooses
     Mosaic for T rows and the kernel takes the call (`mgpu_paged_prefill.takes`: bf16,
-    D = 128, no fp8 cache, no window); else None (the caller runs today's path).
+    D = 128, no fp8 cache (`k_scale`, `v_scale`), no window); else None (the caller runs
+    today's path).
 
     `num_decode` (int32 scalar, or None): the step's first num_decode sequences are
     one-row decodes (`mixed_paged_attention`'s contract). Those rows run the Triton
