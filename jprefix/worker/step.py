@@ -51,6 +51,7 @@ from models.llama import (
     forward,
 )
 from models.window import layer_window
+from pallas_kernels import backend as kernel_backend
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.one_sequence_attention import one_sequence_attention
@@ -87,6 +88,10 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
         return (one_sequence_attention if one else paged_attention_reference)(
             *args, scale=scale, **kw)
     interpret = backend == "pallas-interpret"
+    num_decode = batch["num_decode"][0] if "num_decode" in batch else None
+    if backend == "pallas" and not decode and (out := kernel_backend.prefill_attention_mosaic(
+            *args, scale=scale, num_decode=num_decode, **kw)) is not None:
+        return out  # the Mosaic GPU kernel, where the backend table chooses it
     if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
                                      interpret=interpret, **kw)
