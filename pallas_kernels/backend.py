@@ -8,8 +8,11 @@ K x N operand shape) and the backend measured faster there on an H200 (the figur
 the in-run peers: docs/PERF.md, "Mosaic GPU kernels"); whatever no rule covers runs
 Triton. "triton" means today's path for that kernel, whatever it is made of (for
 `fp8_matmul`: the Triton few-row kernel where it takes the rows, else XLA's fp8 dot
-between a quantising and a scaling fusion). Only the fp8 matmul has a Mosaic GPU
-version so far.
+between a quantising and a scaling fusion; for `prefill_attention`: the Triton
+`paged_attention` / `mixed_paged_attention` of a step that is not pure decode). Two
+kernels have a Mosaic GPU version: the fp8 matmul and prefill attention
+(`mgpu_paged_prefill`, rows = the step's query tokens), the latter routed nowhere by
+the table until an H200 measures it faster.
 
 The environment variable `JPREFIX_KERNEL_BACKEND` overrides the table, for comparison:
 `triton` or `mosaic` forces every kernel, `fp8_matmul=mosaic` (comma-separated
@@ -22,12 +25,13 @@ jitted function takes the value in force when it was traced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 
 ENV_VAR = "JPREFIX_KERNEL_BACKEND"
 BACKENDS = ("triton", "mosaic")
-KERNELS = ("fp8_matmul",)  # the kernels with a Mosaic GPU version
+KERNELS = ("fp8_matmul", "prefill_attention")  # the kernels with a Mosaic GPU version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Rule:
 # fp8_matmul: the Mosaic kernel (activations quantised by XLA as today, both scales in
 # its epilogue) beat today's path only on Llama-2-7B's o projection at 4,096 rows (107
 # against 117 us); it tied or lost on every other projection and row count measured.
+# prefill_attention: no rule (not yet measured on an H200): Triton everywhere.
 TABLE: tuple[Rule, ...] = (
     Rule("fp8_matmul", 4096, 4096, "mosaic", k=4096, n=4096),
 )
@@ -162,3 +167,45 @@ def fp8_matmul_mosaic(x2, w8, w_scale, quantize: Callable):
     x8, row_scale = quantize(x2)
     return mgpu.mgpu_fp8_matmul(x8, w8, w_scale, quant="pre", x_scale=row_scale[:, 0],
                                 config=mgpu.ENGINE_CONFIG)
+
+
+def prefill_attention_mosaic(q, k_cache, v_cache, layer, block_tables, kv_lens, cu_q_lens,
+                             *, scale: float, num_decode=None, alibi_slopes=None,
+                             sliding_window=None, k_scale=None, v_scale=None):
+    """A step's paged attention (`paged_attention`'s arguments and contract, causal) by
+    the Mosaic GPU prefill kernel, [T, H, D], where the table (or the override) chooses
+    Mosaic for T rows and the kernel takes the call (`mgpu_paged_prefill.takes`: bf16,
+    D = 128, no fp8 cache (`k_scale`, `v_scale`), no window); else None (the caller runs
+    today's path).
+
+    `num_decode` (int32 scalar, or None): the step's first num_decode sequences are
+    one-row decodes (`mixed_paged_attention`'s contract). Those rows run the Triton
+    decode tiling, as in `mixed_paged_attention`, and the other sequences the Mosaic
+    kernel: a decode row would take a 64-row tile per head of its own."""
+    if choose("prefill_attention", q.shape[0], mosaic_ok=mosaic_available()) != "mosaic":
+        return None
+    from pallas_kernels import mgpu_paged_prefill as mgpu  # (Mosaic GPU's package needs absl)
+
+    if not mgpu.takes(q, k_cache, scale=scale, k_scale=k_scale,
+                      sliding_window=sliding_window):
+        return None
+    prefill = functools.partial(mgpu.mgpu_paged_prefill, scale=scale,
+                                alibi_slopes=alibi_slopes)
+    args = (q, k_cache, v_cache, layer, block_tables)
+    if num_decode is None:
+        return prefill(*args, kv_lens, cu_q_lens)
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import paged_attention
+
+    t, num_seqs = q.shape[0], kv_lens.shape[0]
+    decoding = jnp.arange(num_seqs) < num_decode
+    rows = min(t, num_seqs)  # the decode rows come first: 0:num_decode within 0:S
+    out_decode = paged_attention(  # later sequences: no rows, no keys
+        q[:rows], *args[1:], jnp.where(decoding, kv_lens, 0),
+        jnp.minimum(cu_q_lens, num_decode), scale=scale, max_q_len=1,
+        alibi_slopes=alibi_slopes)
+    out = prefill(*args, jnp.where(decoding, 0, kv_lens),  # rows 0:num_decode: none
+                  jnp.maximum(cu_q_lens, num_decode))
+    decode_rows = (jnp.arange(rows) < num_decode)[:, None, None]
+    return out.at[:rows].set(jnp.where(decode_rows, out_decode, out[:rows]))

@@ -1,5 +1,7 @@
-"""pallas_kernels.backend: the per-kernel, per-shape backend table and its override."""
+"""pallas_kernels.backend: the per-kernel, per-shape backend table and its override, and
+the routing of the engine's prefill attention to the Mosaic GPU kernel."""
 
+import numpy as np
 import pytest
 
 from pallas_kernels import backend
@@ -13,7 +15,7 @@ TABLE = (Rule("fp8_matmul", 128, 8192, "mosaic"),
 def two_kernels(monkeypatch):
     """A second kernel name beside the one with a Mosaic version, for the per-kernel
     override and the table's per-kernel rules."""
-    monkeypatch.setattr(backend, "KERNELS", ("fp8_matmul", "attention"))
+    monkeypatch.setattr(backend, "KERNELS", ("fp8_matmul", "prefill_attention", "attention"))
 
 
 @pytest.mark.parametrize("rows,want", [(0, "triton"), (16, "triton"), (127, "triton"),
@@ -154,3 +156,112 @@ def test_fp8_matmul_mosaic_routes_where_the_table_says(monkeypatch):
     monkeypatch.setenv(backend.ENV_VAR, "triton")
     assert backend.fp8_matmul_mosaic(x, w8, ws, quantize) is None
     assert len(calls) == 1
+
+
+def test_prefill_attention_defaults_to_triton():
+    """No H200 measurement yet: the table routes no prefill attention to Mosaic; the
+    override (all kernels, or this one by name) forces it where the kernel can run."""
+    for rows in (1, 128, 2048, 16384):
+        assert choose("prefill_attention", rows, env="") == "triton"
+    assert choose("prefill_attention", 2048, env="mosaic") == "mosaic"
+    assert choose("prefill_attention", 2048, env="prefill_attention=mosaic") == "mosaic"
+    assert choose("prefill_attention", 2048, env="fp8_matmul=mosaic") == "triton"
+    assert choose("prefill_attention", 2048, env="mosaic", mosaic_ok=False) == "triton"
+
+
+def _attention_batch(seqs, dtype=None):
+    import jax.numpy as jnp
+    import numpy as np
+    from test_paged_attention import make_batch
+
+    return make_batch(np.random.default_rng(0), seqs, heads=4, kv_heads=2, head_dim=128,
+                      block_size=16, dtype=dtype or jnp.bfloat16)
+
+
+def test_prefill_attention_mosaic_declines_off_hopper(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    assert not backend.mosaic_available()
+    b = _attention_batch([(5, 20)])
+    assert backend.prefill_attention_mosaic(**b, scale=0.1) is None
+
+
+@pytest.fixture
+def pretend_hopper(monkeypatch):
+    """A Hopper GPU pretended: the Mosaic kernel and the Triton kernel replaced by the
+    reference (each call recorded), so the routing and the mixed-step composition run
+    on the CPU."""
+    pytest.importorskip("absl", reason="Mosaic GPU's Python package imports absl")
+    from pallas_kernels import mgpu_paged_prefill as mgpu
+    from pallas_kernels import paged_attention as pa
+
+    calls = []
+
+    def fake(name):
+        def run(*args, scale, alibi_slopes=None, **kw):
+            calls.append((name, kw))
+            return pa.paged_attention_reference(*args, scale=scale, alibi_slopes=alibi_slopes)
+        return run
+
+    monkeypatch.setattr(backend, "mosaic_available", lambda: True)
+    monkeypatch.setattr(mgpu, "mgpu_paged_prefill", fake("mosaic"))
+    monkeypatch.setattr(pa, "paged_attention", fake("triton"))
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    return calls
+
+
+def test_prefill_attention_mosaic_routes_only_when_forced(pretend_hopper, monkeypatch):
+    import jax.numpy as jnp
+
+    b = _attention_batch([(5, 20), (17, 17)])
+    assert backend.prefill_attention_mosaic(**b, scale=0.1) is None  # the table: Triton
+    monkeypatch.setenv(backend.ENV_VAR, "prefill_attention=mosaic")
+    out = backend.prefill_attention_mosaic(**b, scale=0.1)
+    assert out is not None and [c[0] for c in pretend_hopper] == ["mosaic"]
+    f32 = _attention_batch([(5, 20)], jnp.float32)
+    assert backend.prefill_attention_mosaic(**f32, scale=0.1) is None
+    refused = [dict(k_scale=b["k_cache"][..., 0]), dict(sliding_window=4)]
+    for kw in refused:  # an fp8 cache, a window: the kernel's refusals keep Triton
+        assert backend.prefill_attention_mosaic(**b, scale=0.1, **kw) is None
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert backend.prefill_attention_mosaic(**b, scale=0.1) is None
+    assert len(pretend_hopper) == 1
+
+
+@pytest.mark.parametrize("num_decode", [0, 2, 3])
+def test_prefill_attention_mosaic_mixed_step(pretend_hopper, monkeypatch, num_decode):
+    """A mixed step (its first num_decode sequences one-row decodes): decode rows by the
+    Triton decode tiling, the rest by the Mosaic kernel, together the reference."""
+    import jax.numpy as jnp
+    import numpy as np
+    from test_paged_attention import rel_err
+
+    from pallas_kernels.paged_attention import paged_attention_reference
+
+    monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    b = _attention_batch([(1, 37), (1, 5), (1, 16), (12, 30), (7, 7)])
+    out = backend.prefill_attention_mosaic(**b, scale=0.1, num_decode=jnp.int32(num_decode))
+    ref = paged_attention_reference(**b, scale=0.1)
+    n = int(b["cu_q_lens"][-1])
+    assert rel_err(np.asarray(out, np.float32)[:n], np.asarray(ref, np.float32)[:n]) < 1e-6
+    assert [c[0] for c in pretend_hopper] == ["triton", "mosaic"]
+    assert pretend_hopper[0][1] == {"max_q_len": 1}
+
+
+def test_step_attention_runs_the_chosen_kernel(monkeypatch):
+    """The engine's attention (`worker.step._attention`, Pallas backend) returns the
+    Mosaic kernel's output for a prefill or mixed step where it answers, and never asks
+    it for decode steps."""
+    from jprefix.worker import step
+
+    asked = []
+    monkeypatch.setattr(backend, "prefill_attention_mosaic",
+                        lambda *a, **kw: asked.append(kw["num_decode"]) or "mosaic")
+    monkeypatch.setattr(step, "paged_attention", lambda *a, **kw: "triton")
+    b = _attention_batch([(5, 20)])
+    cache, q = (b["k_cache"], b["v_cache"]), b["q"]
+    batch = {k: b[k] for k in ("block_tables", "kv_lens", "cu_q_lens")}
+    assert step._attention("pallas", False, False, q, cache, b["layer"], batch, 0.1) == "mosaic"
+    assert step._attention("pallas", True, False, q, cache, b["layer"], batch, 0.1) == "triton"
+    mixed = dict(batch, num_decode=np.array([1], np.int32))
+    assert step._attention("pallas", False, False, q, cache, b["layer"], mixed, 0.1) == "mosaic"
+    assert asked[0] is None and int(asked[1]) == 1

@@ -51,8 +51,10 @@ from models.llama import (
     forward,
 )
 from models.window import layer_window
+from pallas_kernels import backend as kernel_backend
 from pallas_kernels.cascade_attention import cascade_attention
 from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.one_sequence_attention import one_sequence_attention
 from pallas_kernels.paged_attention import (
     mixed_paged_attention,
     paged_attention,
@@ -81,9 +83,15 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
             use_reference=backend == "xla", max_q_len=1, **kw,
         )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
-    if backend == "xla":
-        return paged_attention_reference(*args, scale=scale, **kw)
+    if backend == "xla":  # (one stream's rows gather its pages once)
+        one = batch["block_tables"].shape[0] == 1
+        return (one_sequence_attention if one else paged_attention_reference)(
+            *args, scale=scale, **kw)
     interpret = backend == "pallas-interpret"
+    num_decode = batch["num_decode"][0] if "num_decode" in batch else None
+    if backend == "pallas" and not decode and (out := kernel_backend.prefill_attention_mosaic(
+            *args, scale=scale, num_decode=num_decode, **kw)) is not None:
+        return out  # the Mosaic GPU kernel, where the backend table chooses it
     if "num_decode" in batch:  # a mixed step, its one-token rows first (`StepPacker`)
         return mixed_paged_attention(*args, batch["num_decode"][0], scale=scale,
                                      interpret=interpret, **kw)
