@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention import make_batch
+from attention_cases import make_batch
 
 from models.alibi import alibi_slopes
 from pallas_kernels.fp8 import quantize_rows

@@ -10,6 +10,8 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+# (test_kernel_backend and test_mgpu_paged_prefill import make_batch and rel_err from here)
 from attention_cases import (
     INTERPRET,
     MIXED,
