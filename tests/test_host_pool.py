@@ -1,6 +1,6 @@
 """The prefix cache's host tier on the host side (no jax): HostPool's LRU, bound and exact
 keys; the scheduler with the tier over random workloads against the fake model of
-test_scheduler, with a fake host pool that moves the simulated blocks as the worker
+scheduler_cases, with a fake host pool that moves the simulated blocks as the worker
 would (saves before the step, loads after it): outputs equal the reference, ref counts
 and both pools' invariants hold every step, no block is both free and referenced."""
 
@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import FakeRunner, reference_output, seq
+from scheduler_cases import FakeRunner, reference_output, seq
 
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.config import SchedulerConfig

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from test_scheduler import FakeRunner, reference_output, run, step
+from scheduler_cases import FakeRunner, reference_output, run, step
 
 import jprefix
 from jprefix import LLM, SamplingParams

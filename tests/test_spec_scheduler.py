@@ -1,11 +1,21 @@
 """Speculative decoding on the host: the n-gram proposer, the config, and the scheduler's
 verify rows and rollback against a fake model that reads its context back from a
-simulated paged KV cache (tests/test_scheduler.py's), over random workloads."""
+simulated paged KV cache (tests/scheduler_cases.py), over random workloads."""
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scheduler_cases import (
+    EOS,
+    WORKLOAD,
+    FakeRunner,
+    V,
+    arrive_and_abort,
+    check,
+    check_workload_outputs,
+    reference_output,
+)
 
 from jprefix.core.block_manager import BlockManager
 from jprefix.core.config import SchedulerConfig
@@ -17,16 +27,6 @@ from jprefix.core.sequence import Sequence
 from jprefix.core.spec_config import SpeculativeConfig
 from jprefix.core.spec_decode import DRAFT_PLACEHOLDER, Speculator, set_proposals
 from jprefix.core.structured_outputs import StructuredOutputsParams
-from tests.test_scheduler import (
-    EOS,
-    WORKLOAD,
-    FakeRunner,
-    V,
-    arrive_and_abort,
-    check,
-    check_workload_outputs,
-    reference_output,
-)
 
 
 def loop_token(context: list[int]) -> int:

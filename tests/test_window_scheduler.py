@@ -9,7 +9,7 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import (
+from scheduler_cases import (
     EOS,
     WORKLOAD,
     FakeRunner,
@@ -18,7 +18,7 @@ from test_scheduler import (
     reference_output,
     run_random_workload,
 )
-from test_scheduler import step as scheduler_step
+from scheduler_cases import step as scheduler_step
 
 from jprefix.core.block_manager import NULL_BLOCK, BlockManager
 from jprefix.core.config import SchedulerConfig
