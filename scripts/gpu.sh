@@ -38,6 +38,16 @@
 #             (needs carry ["bench_data"])                                     ~6 min
 #   b c d e   docs/RESULTS.md rows (b) policies, (c) trie vs flat, (d) chat latency,
 #             (e) ShareGPT (needs carry ["bench_data"])
+#   spec_verify  bench_spec.py --verify: a (k+1)-token verify vs a decode step, batch 1 /
+#             8 / 64, k 1..8, Llama-2-7B, with the CPU's accepted lengths         ~3 min
+#   window_kv    bench_window_kv.py: Gemma 3 12B, 8k shared document, hybrid KV cache vs
+#             one table under one KV budget                                     ~5 min
+#   moe       bench_moe.py (Qwen3-30B-A3B layer: grouped GEMM vs ragged_dot), then the
+#             qwen3-30b-a3b seed workload with its cache-off peer               ~6 min
+#   tier      bench_offload.py (Llama-2-7B bring-back vs recompute), the seed workload
+#             with the host tier unused vs off, multi-turn chat at 4x oversubscription ~9 min
+#   mgpu_prefill  the Mosaic GPU prefill attention: one-case smoke test, its tests, then
+#             bench_mgpu_prefill.py against Triton and cuDNN                   ~10 min
 #
 # The one-off probes in scripts/probes/ (README.md there) run directly, not from here.
 # Logs and JSON go to $OUT (default out/); the processes share one persistent compilation
@@ -203,6 +213,41 @@ job_e() {
     --dataset-name sharegpt --dataset-path bench_data/sharegpt_smollm2_1000.json \
     --num-prompts 200 --compare-caching \
     --output-json "$OUT/e_sharegpt.json"
+}
+
+job_spec_verify() {
+  run spec_verify 240 python3 scripts/bench_spec.py --verify --model llama-2-7b --dtype bfloat16 \
+    --batch 1 8 64 --accepted-length 2:2.82 4:4.16 --budget-s 180 \
+    --output-json "$OUT/spec_verify.json"
+}
+job_window_kv() {
+  run window_kv 420 python3 scripts/bench_window_kv.py --output-json "$OUT/window_kv.json"
+}
+job_moe() {
+  run moe_gemm 150 python3 scripts/bench_moe.py --models qwen3-30b-a3b \
+    --tokens 1 64 256 1024 8192 --out "$OUT/moe_gemm.json"
+  run moe_engine 300 python3 scripts/bench_engine.py --model qwen3-30b-a3b --output-len 128 \
+    --ttft-reps 0 --max-num-batched-tokens 2048 --output-json "$OUT/moe_engine.json"
+}
+job_tier() {
+  local t=(python3 scripts/bench_throughput.py "${M[@]}" --input-len 700 --prefix-len 596
+           --output-len 128 --num-prompts 256)
+  run offload 120 python3 scripts/bench_offload.py "${M[@]}" --dtype bfloat16 \
+    --prefix-len 2000 --kv-offloading-size 16 --repeats 9 --json "$OUT/offload.json"
+  run tier_off 120 "${t[@]}" --output-json "$OUT/tier_off.json"
+  run tier_unused 120 "${t[@]}" --kv-offloading-size 16 --output-json "$OUT/tier_unused.json"
+  run multiturn 300 python3 scripts/bench_multiturn.py --model llama-3-8b --load-format dummy \
+    --dtype bfloat16 --dataset synthetic --num-conversations 256 --turns 6 --user-len 200 \
+    --output-len 128 --concurrency 64 --max-num-seqs 64 --oversubscription 4 \
+    --kv-offloading-size 64 --json "$OUT/multiturn.json"
+}
+job_mgpu_prefill() {  # a barrier mistake hangs rather than fails: the smoke test goes first
+  run mgpu_smoke 300 python3 -m pytest -x -q \
+    "tests/test_mgpu_paged_prefill.py::test_kernel_matches_reference[case0-h4k4-wg2]" || return
+  run mgpu_tests 600 python3 -m pytest -x -q tests/test_mgpu_paged_prefill.py \
+    tests/test_kernel_backend.py
+  run mgpu_bench 580 python3 scripts/bench_mgpu_prefill.py --alibi \
+    --output-json "$OUT/mgpu_prefill.json"
 }
 
 if [ $# -eq 0 ]; then awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 2; fi
