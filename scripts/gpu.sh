@@ -233,13 +233,14 @@ job_tier() {
   local t=(python3 scripts/bench_throughput.py "${M[@]}" --input-len 700 --prefix-len 596
            --output-len 128 --num-prompts 256)
   run offload 120 python3 scripts/bench_offload.py "${M[@]}" --dtype bfloat16 \
-    --prefix-len 2000 --kv-offloading-size 16 --repeats 9 --json "$OUT/offload.json"
+    --prefix-len 2000 --kv-offloading-size 8 --repeats 9 --json "$OUT/offload.json"
   run tier_off 120 "${t[@]}" --output-json "$OUT/tier_off.json"
   run tier_unused 120 "${t[@]}" --kv-offloading-size 16 --output-json "$OUT/tier_unused.json"
+  # (RESULTS.md's full run is 256 conversations x 6 turns; this one fits a device call)
   run multiturn 300 python3 scripts/bench_multiturn.py --model llama-3-8b --load-format dummy \
-    --dtype bfloat16 --dataset synthetic --num-conversations 256 --turns 6 --user-len 200 \
-    --output-len 128 --concurrency 64 --max-num-seqs 64 --oversubscription 4 \
-    --kv-offloading-size 64 --json "$OUT/multiturn.json"
+    --dtype bfloat16 --dataset synthetic --num-conversations 128 --turns 4 --user-len 200 \
+    --output-len 64 --concurrency 64 --max-num-seqs 64 --oversubscription 4 \
+    --kv-offloading-size 24 --json "$OUT/multiturn.json"
 }
 job_mgpu_prefill() {  # a barrier mistake hangs rather than fails: the smoke test goes first
   run mgpu_smoke 300 python3 -m pytest -x -q \
