@@ -65,3 +65,16 @@ def check_window(sliding_window, causal: bool = True) -> None:
                                                               jnp.integer):
         raise ValueError(f"sliding_window must be an integer scalar, got "
                          f"{sliding_window.dtype}{list(jnp.shape(sliding_window))}")
+
+
+def masked_softmax(s, visible):
+    """The references' float32 softmax over the last axis of logits `s` [..., J] where
+    `visible` (broadcast to s) and zero elsewhere; a row with no visible key gives zeros.
+    Returns (p, s_max, denom), the last two [..., 1], for the log-sum-exp
+    `s_max + log(denom)` (-inf for a row with no visible key)."""
+    s = jnp.where(visible, s, -jnp.inf)
+    s_max = jnp.max(s, axis=-1, keepdims=True)
+    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
+    p = jnp.exp(s - s_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom == 0.0, 1.0, denom), s_max, denom

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.alibi import check_slopes
-from pallas_kernels.common import check_window
+from pallas_kernels.common import check_window, masked_softmax
 from pallas_kernels.paged_attention import token_positions
 
 
@@ -73,12 +73,7 @@ def one_sequence_attention(
     if sliding_window is not None:
         first = pos - jnp.asarray(sliding_window, jnp.int32) + 1
         visible = visible & (key_pos[None, :] >= first[:, None])
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    s_max = jnp.max(s, axis=-1, keepdims=True)
-    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
-    p = jnp.exp(s - s_max)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    p, *_ = masked_softmax(s, visible[:, None, None, :])
     out = jnp.einsum("tkgj,kjd->tkgd", p, vals.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     return out.reshape(t, h, d).astype(q.dtype)

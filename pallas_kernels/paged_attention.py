@@ -51,6 +51,7 @@ from pallas_kernels.common import (
     check_float_dtypes,
     check_window,
     is_pow2,
+    masked_softmax,
 )
 from pallas_kernels.fp8 import check_fp8_cache
 from pallas_kernels.paged_attention_kernel import run_kernel
@@ -242,12 +243,7 @@ def _reference_chunk(q, limit, valid, tables, bias_pos=None, start=None, *, k_ca
     visible = (jnp.arange(m * b)[None, :] < limit[:, None]) & valid[:, None]  # [C, M*B]
     if start is not None:  # a sliding window's first key
         visible = visible & (jnp.arange(m * b)[None, :] >= start[:, None])
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    s_max = jnp.max(s, axis=-1, keepdims=True)
-    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
-    p = jnp.exp(s - s_max)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    p, s_max, denom = masked_softmax(s, visible[:, None, None, :])
     out = jnp.einsum("ckgj,ckjd->ckgd", p, vals.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     out = out.reshape(c, h, d).astype(q.dtype)
