@@ -226,3 +226,21 @@ def test_config_parses_vllm_keys():
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_max) == ("ngram", 4, 4)
     assert SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2}).method == \
         "draft_model"
+
+
+def test_speculator_keeps_each_sequences_tokens_incrementally():
+    """The n-gram search reads a per-sequence int64 copy extended by the tokens appended
+    since the last row (not the whole list converted every step): it stays equal to the
+    tokens through growth past its buffer, and proposals equal the proposer on the list."""
+    spec = Speculator(SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}))
+    rng = np.random.default_rng(0)
+    seq = Sequence("a", rng.integers(3, 9, 40).tolist(),
+                   SamplingParams(temperature=0, max_tokens=500))
+    fresh = NgramProposer(1, 3)
+    for _ in range(120):  # (grows past the first 80-token buffer)
+        arr = spec._token_array(seq)
+        assert arr.tolist() == seq.all_token_ids
+        assert spec.proposer.propose(arr, 3) == fresh.propose(seq.all_token_ids, 3)
+        seq.all_token_ids.append(int(rng.integers(3, 9)))

@@ -36,7 +36,10 @@ the draft's proposals once the step's blocks are allocated, before the step is p
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+import numpy as np
 
 from jprefix.core.ngram_proposer import NgramProposer
 from jprefix.core.sequence import Sequence
@@ -58,6 +61,24 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.method == "ngram" else None)  # (None: the draft model's)
+        # each sequence's tokens as int64, extended by the tokens appended since its last
+        # row: the n-gram search reads them every step, and converting the whole list
+        # again would cost O(context) per row per step
+        self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _token_array(self, seq: Sequence) -> np.ndarray:
+        ids = seq.all_token_ids
+        buf, n = self._arrays.get(seq, (None, 0))
+        if n > len(ids):  # (tokens only grow; anything else starts over)
+            n = 0
+        if buf is None or len(buf) < len(ids):
+            grown = np.empty(max(2 * len(ids), 64), np.int64)
+            if buf is not None:
+                grown[:n] = buf[:n]
+            buf = grown
+        buf[n:len(ids)] = ids[n:]
+        self._arrays[seq] = (buf, len(ids))
+        return buf[:len(ids)]
 
     def propose(self, seq: Sequence, budget: int) -> int:
         """Sets seq's proposals for a decode row with `budget` tokens to spare; returns
@@ -67,7 +88,7 @@ class Speculator:
         if k <= 0 or seq.num_pending or not speculates(seq):
             seq.spec_token_ids = []
             return 0
-        seq.spec_token_ids = (self.proposer.propose(seq.all_token_ids, k)
+        seq.spec_token_ids = (self.proposer.propose(self._token_array(seq), k)
                               if self.proposer is not None else [DRAFT_PLACEHOLDER] * k)
         return len(seq.spec_token_ids)
 
