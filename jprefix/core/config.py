@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 def _check_positive(obj: object, *names: str) -> None:
@@ -31,3 +34,19 @@ class SchedulerConfig:
     def __post_init__(self):
         _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+
+
+def json_object(name: str, raw: Any, known: Iterable[str]) -> dict[str, Any]:
+    """A config option given as a dict or its JSON text, checked: a JSON object whose keys
+    are all `known` (else ValueError naming `name` and the offending value or keys)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"{name} {raw!r} is not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} {raw!r} is not a JSON object")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown} (supported: {', '.join(known)})")
+    return raw

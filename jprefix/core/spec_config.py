@@ -9,8 +9,9 @@ sequence may propose per step; the verify row then computes 1 + k tokens.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
+
+from jprefix.core.config import json_object
 
 METHODS = ("ngram", "draft_model")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
@@ -54,17 +55,7 @@ class SpeculativeConfig:
         config (None: speculation off). Unknown keys are refused by name."""
         if raw is None or isinstance(raw, cls):
             return raw
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except ValueError as exc:
-                raise ValueError(f"speculative_config {raw!r} is not JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"speculative_config {raw!r} is not a dict")
-        unknown = sorted(set(raw) - set(_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config keys {unknown} are not supported "
-                             f"(supported: {', '.join(_KEYS)})")
+        raw = json_object("speculative_config", raw, _KEYS)
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config needs num_speculative_tokens")
         method = raw.get("method") or ("draft_model" if raw.get("model") else None)

@@ -17,6 +17,7 @@ import re
 import time
 from typing import Any
 
+from jprefix.core.config import json_object
 from jprefix.core.kv_events import KVEventSink, as_array
 
 _DEFAULTS = {"enable_kv_cache_events": False, "publisher": "null",
@@ -30,15 +31,7 @@ def parse_config(spec: str | None) -> dict[str, Any] | None:
     """The config of a `--kv-events-config` JSON string; None when events are off."""
     if spec is None:
         return None
-    try:
-        raw = json.loads(spec)
-    except ValueError as exc:
-        raise ValueError(f"kv_events_config {spec!r} is not JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"kv_events_config {spec!r} is not a JSON object")
-    unknown = set(raw) - set(_DEFAULTS)
-    if unknown:
-        raise ValueError(f"kv_events_config: unknown keys {sorted(unknown)}")
+    raw = json_object("kv_events_config", spec, _DEFAULTS)
     cfg = _DEFAULTS | raw
     if cfg["publisher"] not in ("null", "zmq"):
         raise ValueError(f"kv_events_config publisher {cfg['publisher']!r} is not null or zmq")
