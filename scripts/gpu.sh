@@ -46,8 +46,9 @@
 #             qwen3-30b-a3b seed workload with its cache-off peer               ~6 min
 #   tier      bench_offload.py (Llama-2-7B bring-back vs recompute), the seed workload
 #             with the host tier unused vs off, multi-turn chat at 4x oversubscription ~9 min
-#   mgpu_prefill  the Mosaic GPU prefill attention: one-case smoke test, its tests, then
-#             bench_mgpu_prefill.py against Triton and cuDNN                   ~10 min
+#   mgpu_prefill  the Mosaic GPU prefill attention: a one-case smoke test, then (if it
+#             passed) its tests                                               ~5 min
+#   mgpu_bench    bench_mgpu_prefill.py --alibi against Triton and cuDNN         ~9 min
 #
 # The one-off probes in scripts/probes/ (README.md there) run directly, not from here.
 # Logs and JSON go to $OUT (default out/); the processes share one persistent compilation
@@ -62,13 +63,16 @@ M=(--model llama-2-7b --load-format dummy)
 
 quiet() { grep -v "^WARNING\|rematerialization\|^W0000\|^I0000\|^W1\|^I1\|^E1\|^If this\|^Current"; }
 
-# run NAME DEFAULT_SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit code and tail here
+# run NAME DEFAULT_SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit code and tail
+# here; returns CMD's exit code
 run() {
   local name=$1 limit=$2 var="T_$1"; shift 2
   echo "== $name ($(date +%T))"
   timeout "${!var:-$limit}" "$@" 2>&1 | quiet > "$OUT/$name.log"
-  echo "exit ${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  echo "exit $rc"
   tail -n "${TAIL:-10}" "$OUT/$name.log"
+  return "$rc"
 }
 
 job_kernels() { run kernels 330 python3 scripts/bench_kernels.py --output-json "$OUT/kernels.json"; }
@@ -243,11 +247,13 @@ job_tier() {
     --kv-offloading-size 24 --json "$OUT/multiturn.json"
 }
 job_mgpu_prefill() {  # a barrier mistake hangs rather than fails: the smoke test goes first
-  run mgpu_smoke 300 python3 -m pytest -x -q \
+  run mgpu_smoke 150 python3 -m pytest -x -q \
     "tests/test_mgpu_paged_prefill.py::test_kernel_matches_reference[case0-h4k4-wg2]" || return
-  run mgpu_tests 600 python3 -m pytest -x -q tests/test_mgpu_paged_prefill.py \
+  run mgpu_tests 300 python3 -m pytest -q -rf tests/test_mgpu_paged_prefill.py \
     tests/test_kernel_backend.py
-  run mgpu_bench 580 python3 scripts/bench_mgpu_prefill.py --alibi \
+}
+job_mgpu_bench() {
+  run mgpu_bench 560 python3 scripts/bench_mgpu_prefill.py --alibi \
     --output-json "$OUT/mgpu_prefill.json"
 }
 
