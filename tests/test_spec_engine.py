@@ -79,6 +79,26 @@ def test_greedy_ngram_speculation_equals_speculation_off(tiny, prompts, referenc
     assert (check_trie_holds_outputs(llm, outs) > 0) == (mode != "off")
 
 
+def test_async_scheduling_overlaps_the_steps_without_proposals(tiny, prompts, reference):
+    """With async scheduling (the default) a step is dispatched while the one before it
+    runs unless that one verifies proposals (its rows' next positions depend on what is
+    accepted) or a sequence would propose; outputs stay equal to speculation off."""
+    llm = LLM(tiny, block_size=BS, num_kv_blocks=128, speculative_config=_spec(3))
+    eng, in_flight = llm.engine, []
+    dispatch = eng.runner.dispatch
+
+    def spy(*args, **kwargs):  # the step in flight when each step is dispatched
+        in_flight.append(eng._inflight)
+        return dispatch(*args, **kwargs)
+
+    eng.runner.dispatch = spy
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert not any(f is not None and f.verifies for f in in_flight)
+    assert any(f is not None for f in in_flight)  # some steps overlapped
+    _check_balanced_and_stats(llm)
+
+
 def test_speculation_under_preemption(tiny, prompts, reference):
     llm = LLM(tiny, block_size=BS, num_kv_blocks=16, speculative_config=_spec(3))
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)

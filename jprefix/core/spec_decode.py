@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from jprefix.core.ngram_proposer import NgramProposer
-from jprefix.core.sequence import Sequence
+from jprefix.core.sequence import Sequence, SequenceStatus
 from jprefix.core.spec_config import SpeculativeConfig
 
 DRAFT_PLACEHOLDER = 0  # a reserved draft-model slot's id until the engine's drafter fills it
@@ -52,6 +52,15 @@ def speculates(seq: Sequence) -> bool:
     """Whether seq's decode steps may carry proposals (see the module docstring)."""
     sp = seq.sampling_params
     return sp is not None and sp.structured_outputs is None and not sp.stop
+
+
+def pins_sync(seq: Sequence) -> bool:
+    """Whether seq keeps the engine's steps synchronous while it is live (async
+    scheduling): a seeded sampled request's draws depend on where its proposals fall, so
+    they must fall where its own tokens alone decide (every decode row, as without async
+    scheduling), never where another request's proposals made a step wait."""
+    sp = seq.sampling_params
+    return speculates(seq) and sp.seed is not None and sp.temperature > 0
 
 
 class Speculator:
@@ -65,6 +74,9 @@ class Speculator:
         # row: the n-gram search reads them every step, and converting the whole list
         # again would cost O(context) per row per step
         self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # each sequence's last n-gram lookup (its token count, the up to k tokens found),
+        # so a `probe` and the `propose` that follows it on the same tokens search once
+        self._lookups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _token_array(self, seq: Sequence) -> np.ndarray:
         ids = seq.all_token_ids
@@ -88,9 +100,29 @@ class Speculator:
         if k <= 0 or seq.num_pending or not speculates(seq):
             seq.spec_token_ids = []
             return 0
-        seq.spec_token_ids = (self.proposer.propose(self._token_array(seq), k)
-                              if self.proposer is not None else [DRAFT_PLACEHOLDER] * k)
+        seq.spec_token_ids = (self._lookup(seq)[:k] if self.proposer is not None
+                              else [DRAFT_PLACEHOLDER] * k)
         return len(seq.spec_token_ids)
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The n-gram proposer's up to k tokens for seq's known tokens (pending ignored)."""
+        n = len(seq.all_token_ids)
+        last = self._lookups.get(seq)
+        if last is None or last[0] != n:
+            last = self._lookups[seq] = (n, self.proposer.propose(self._token_array(seq),
+                                                                   self.k))
+        return last[1]
+
+    def probe(self, seqs: Any) -> bool:
+        """Whether any of seqs (sequences just given their step's tokens) would propose
+        from the tokens known now: the engine's cue to process a step in flight before
+        scheduling the next (async scheduling), so that proposals can be made at all. A
+        draft model always proposes."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING and speculates(seq) and (
+                    self.proposer is None or self._lookup(seq)):
+                return True
+        return False
 
 
 def set_proposals(seq: Sequence, tokens: list[int]) -> None:

@@ -3,8 +3,8 @@
 Requests are validated and tokenized when they are made (`make_request`: errors raise
 before anything is scheduled) and queued (`add`); `step()` drains the queues into the scheduler,
 so another thread or an event loop may add and abort requests between steps. With async
-scheduling one step is in flight while the next is scheduled and dispatched (not while
-speculating: proposals need the previous step's tokens on the host).
+scheduling one step is in flight while the next is scheduled and dispatched; speculation
+waits for a step's tokens only when they are needed (`_sync_speculation`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jprefix.core.outputs import RequestOutput
 from jprefix.core.prefix_cache import PrefixPool
 from jprefix.core.scheduler import SchedulerOutput
 from jprefix.core.sequence import Sequence
-from jprefix.core.spec_decode import Speculator
+from jprefix.core.spec_decode import Speculator, pins_sync
 from jprefix.engine import prefix_cache_file
 from jprefix.engine.args import EngineArgs
 from jprefix.engine.drafter import Drafter
@@ -38,7 +38,7 @@ from jprefix.engine.runner_setup import (
     make_scheduler,
 )
 from jprefix.engine.spec_stats import apply_verified
-from jprefix.engine.stats import EngineStats, summarize_stats
+from jprefix.engine.stats import EngineStats, engine_counters, summarize_stats
 from jprefix.engine.structured_output import StructuredOutputManager
 from jprefix.worker.spec_verify import fetch_verified
 from jprefix.worker.step_handle import StepHandle
@@ -51,6 +51,7 @@ class _InFlight:
     handle: StepHandle
     t_start: float
     t_dispatched: float
+    verifies: bool = False  # rows with proposals: the next step waits for its tokens
 
 
 class LLMEngine(EngineFront):
@@ -72,7 +73,9 @@ class LLMEngine(EngineFront):
                                                getattr(self.kv_groups, "num_groups", 1))
         self.kv_tier = self._make_kv_tier()
         self.speculator = (spec := self.args.speculative_config) and Speculator(spec)
-        self._async = self.args.async_scheduling and self.speculator is None
+        self._async = self.args.async_scheduling
+        self._spec_hot = False  # a sequence would propose (`_sync_speculation`)
+        self._pinned: set[str] = set()  # live requests that keep steps synchronous
         self.scheduler = make_scheduler(self.args, cfg, runner.num_blocks, self.max_model_len,
                                         self.kv_groups, self.kv_tier, self.speculator)
         self.drafter = draft and Drafter(draft, self.prefix_pool.trie)  # (`draft_model`)
@@ -163,8 +166,9 @@ class LLMEngine(EngineFront):
         finished (or were aborted, or can never fit) in what it processed."""
         with self._step_lock:
             t0 = time.perf_counter()
+            finished = self._sync_speculation()
             masks_later = self._masks_later()
-            finished = self._drain_queues()
+            finished += self._drain_queues()
             if not masks_later:
                 finished += self._sync_structured()
             out = self.scheduler.schedule()
@@ -180,7 +184,9 @@ class LLMEngine(EngineFront):
                 handle = (self.runner.dispatch(out.scheduled, plan, masks_later=True)
                           if masks_later else self.runner.dispatch(
                               out.scheduled, plan, self.structured.bitmasks(out.scheduled)))
-                launched = _InFlight(out, handle, t0, time.perf_counter())
+                verifies = any(sc.seq.spec_token_ids for sc in out.scheduled) if (
+                    self.speculator is not None) else False
+                launched = _InFlight(out, handle, t0, time.perf_counter(), verifies)
             if self._async:
                 done, self._inflight = self._inflight, launched
             else:
@@ -214,6 +220,17 @@ class LLMEngine(EngineFront):
                 and getattr(self.runner, "can_mask_later", False)
                 and self.structured.needs_sync())
 
+    def _sync_speculation(self) -> list[Sequence]:
+        """Processes the step in flight before the next is scheduled when it verifies
+        proposals (its rows' next positions depend on how many are accepted), when a
+        sequence would propose (`Speculator.probe`: one with a token in flight proposes
+        nothing) and while a request `pins_sync`; other steps stay overlapped."""
+        if self._inflight is None or not (self._inflight.verifies or self._spec_hot
+                                          or self._pinned):
+            return []
+        done, self._inflight = self._inflight, None
+        return self._process(done)
+
     def _sync_structured(self) -> list[Sequence]:
         """(A runner that cannot sample later: a multi-process run.) Processes the step in
         flight before the next is scheduled when a structured request's mask needs it."""
@@ -242,6 +259,9 @@ class LLMEngine(EngineFront):
             tokens, extra = apply_verified(done.out.scheduled, tokens, verified, self.stats.spec)
             self.stats.generation_tokens += extra
         finished = self.scheduler.update(done.out, tokens)
+        if self.speculator is not None and self._async:
+            self._spec_hot = self.speculator.probe(sc.seq for sc in done.out.scheduled
+                                                   if sc.sample)
         positions = getattr(done.handle, "prompt_positions", None)
         if positions is not None:  # (an extra step: logits processing or logprobs)
             self.outputs.attach_logprobs(done.out.scheduled,
@@ -272,6 +292,8 @@ class LLMEngine(EngineFront):
         while self._pending:
             seq, prompt = self._pending.popleft()
             self._live[seq.request_id] = seq
+            if self.speculator is not None and pins_sync(seq):
+                self._pinned.add(seq.request_id)
             self.num_requests += 1
             self.scheduler.add(seq)
             self.outputs.add(seq, prompt)
@@ -284,31 +306,15 @@ class LLMEngine(EngineFront):
         return aborted
 
     def counters(self) -> dict[str, Any]:
-        """This engine's counters, safe to read from another thread while it steps:
-        requests received, running and waiting; queued tokens (the prompt tokens of every
-        unfinished request plus the output tokens of the running ones: what the
-        data-parallel router balances); the prefix cache's counters and hit rate; KV
-        blocks used of the cache's (block 0, the null block, not counted)."""
-        unfinished = list(self._live.values()) + [seq for seq, _ in list(self._pending)]
-        running = list(self.scheduler.running.values())
-        cache, blocks = self.scheduler.prefix_pool.stats(), self.scheduler.block_manager
-        used, total = blocks.num_used_blocks, blocks.num_blocks - 1
-        return {"requests": self.num_requests, "running": len(running),
-                "waiting": max(0, len(unfinished) - len(running)),  # (two snapshots)
-                "queued_tokens": sum(s.num_prompt_tokens for s in unfinished)
-                + sum(s.num_output_tokens for s in running),
-                "num_queried_tokens": cache.num_queried_tokens,
-                "num_hit_tokens": cache.num_hit_tokens, "hit_rate": cache.hit_rate,
-                "num_cached_blocks": cache.num_cached_blocks,
-                "num_evictable_blocks": cache.num_evictable_blocks,
-                "kv_used_blocks": used, "kv_total_blocks": total, "kv_usage": used / total,
-                "num_host_hit_tokens": cache.num_host_hit_tokens,
-                **({} if self.kv_tier is None else self.kv_tier.counters())}
+        """`stats.engine_counters`; safe to read from another thread while it steps."""
+        unfinished = list(self._live.values()) + [q[0] for q in list(self._pending)]
+        return engine_counters(self.num_requests, unfinished, self.scheduler, self.kv_tier)
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         """The step's outputs: streamed requests' progress, then the finished ones'."""
         for seq in finished:
             self._live.pop(seq.request_id, None)
+            self._pinned.discard(seq.request_id)
         self.structured.forget(finished)
         self.stats.record_finished(finished)
         return self.outputs.deltas() + self.outputs.outputs(finished)

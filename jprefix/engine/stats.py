@@ -133,3 +133,26 @@ def summarize_stats(replicas: list[dict[str, Any]], **extra: Any) -> dict[str, A
     queried = out["num_queried_tokens"]
     out["hit_rate"] = out["num_hit_tokens"] / queried if queried else 0.0
     return out | extra | {"replicas": replicas}
+
+
+def engine_counters(num_requests: int, unfinished: list[Any], scheduler: Any,
+                    kv_tier: Any) -> dict[str, Any]:
+    """An engine's counters: requests received, running and waiting; queued tokens (the
+    prompt tokens of every unfinished request plus the output tokens of the running
+    ones: what the data-parallel router balances); the prefix cache's counters and hit
+    rate; KV blocks used of the cache's (block 0, the null block, not counted); the host
+    tier's (`kv_tier`, or None)."""
+    running = list(scheduler.running.values())
+    cache, blocks = scheduler.prefix_pool.stats(), scheduler.block_manager
+    used, total = blocks.num_used_blocks, blocks.num_blocks - 1
+    return {"requests": num_requests, "running": len(running),
+            "waiting": max(0, len(unfinished) - len(running)),  # (two snapshots)
+            "queued_tokens": sum(s.num_prompt_tokens for s in unfinished)
+            + sum(s.num_output_tokens for s in running),
+            "num_queried_tokens": cache.num_queried_tokens,
+            "num_hit_tokens": cache.num_hit_tokens, "hit_rate": cache.hit_rate,
+            "num_cached_blocks": cache.num_cached_blocks,
+            "num_evictable_blocks": cache.num_evictable_blocks,
+            "kv_used_blocks": used, "kv_total_blocks": total, "kv_usage": used / total,
+            "num_host_hit_tokens": cache.num_host_hit_tokens,
+            **({} if kv_tier is None else kv_tier.counters())}
