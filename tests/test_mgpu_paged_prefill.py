@@ -275,8 +275,8 @@ def test_engine_greedy_outputs_with_the_mosaic_kernel(monkeypatch):
     import dataclasses
 
     from jprefix import LLM, SamplingParams, load
-    from pallas_kernels import backend
     from models.config import ModelConfig
+    from pallas_kernels import backend
 
     cfg = ModelConfig("llama", 512, 512, 1024, 2, 4, 2, 128, max_position_embeddings=1024)
     model = load(cfg, dtype="bfloat16", load_format="dummy")
