@@ -300,7 +300,7 @@ def test_engine_greedy_outputs_with_the_mosaic_kernel(monkeypatch):
     for t, m in zip(runs["triton"], runs["mosaic"], strict=True):
         if t.token_ids == m.token_ids:
             continue
-        i = next(j for j, (a, b) in enumerate(zip(t.token_ids, m.token_ids)) if a != b)
+        i = next(j for j, (a, b) in enumerate(zip(t.token_ids, m.token_ids, strict=True)) if a != b)
         top = sorted((lp.logprob for lp in t.logprobs[i].values()), reverse=True)
         assert top[0] - top[1] < 0.05, (i, top)
         differ += 1
