@@ -193,7 +193,7 @@ def prefill_attention_mosaic(q, k_cache, v_cache, layer, block_tables, kv_lens, 
                       sliding_window=sliding_window):
         return None
     prefill = functools.partial(mgpu.mgpu_paged_prefill, scale=scale,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, config=mgpu.ENGINE_CONFIG)
     args = (q, k_cache, v_cache, layer, block_tables)
     if num_decode is None:
         return prefill(*args, kv_lens, cu_q_lens)

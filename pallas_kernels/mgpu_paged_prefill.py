@@ -64,6 +64,11 @@ class MgpuPrefillConfig:
         return ROWS * self.compute_wgs
 
 
+# the engine's (`backend.prefill_attention_mosaic`): FlashAttention-3's ping-pong measured
+# 2% faster than without on both benchmarked shapes of an H200 (docs/PERF.md)
+ENGINE_CONFIG = MgpuPrefillConfig(pingpong=True)
+
+
 def smem_bytes(config: MgpuPrefillConfig) -> int:
     """Shared memory a CTA takes: per consumer a swizzled Q tile and a plain output tile
     (bf16 [64, D] each), K and V rings of `max_stages` x [block_kv, D], 1 KiB for

@@ -135,9 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     live = sum(sum(map(len, c)) + args.turns * args.output_len for c in convs)
     B = args.block_size
     longest = max(sum(map(len, c)) + args.turns * args.output_len for c in convs)
+    # the running set must fit the pool (else the run measures preemption, not the tier):
+    # a smaller pool than that is raised to it, and the oversubscription printed is real
+    running = (longest + B - 1) // B * min(args.concurrency, args.max_num_seqs) + 2
     pool = args.num_kv_blocks if args.num_kv_blocks is not None else max(
-        int(live / args.oversubscription) // B,
-        (longest + B - 1) // B * min(args.concurrency, 4) + 2)
+        int(live / args.oversubscription) // B, running)
+    if pool and pool < running:
+        raise ValueError(f"--num-kv-blocks {pool} cannot hold the {running} blocks of "
+                         f"{min(args.concurrency, args.max_num_seqs)} running histories")
+    if pool:
+        print(f"live history tokens {live}, HBM pool {pool} blocks x {B} = {pool * B} "
+              f"tokens ({live / (pool * B):.1f}x oversubscribed, asked "
+              f"{args.oversubscription}x)", flush=True)
     rows = []
     for mode in args.modes.split(","):
         kw = dict(block_size=B, max_num_seqs=args.max_num_seqs, seed=args.seed,
@@ -157,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"mode": mode, "num_kv_blocks": llm.engine.runner.num_blocks} | replay(
             llm, convs, args.output_len, args.concurrency, args.prefix_mode == "explicit")
         rows.append(row)
+        print(row, flush=True)
         del llm
     pool = pool or rows[0]["num_kv_blocks"]
     print(f"live history tokens {live}, HBM pool {pool} blocks x {B} = {pool * B} tokens "

@@ -45,7 +45,9 @@
 #   moe       bench_moe.py (Qwen3-30B-A3B layer: grouped GEMM vs ragged_dot), then the
 #             qwen3-30b-a3b seed workload with its cache-off peer               ~6 min
 #   tier      bench_offload.py (Llama-2-7B bring-back vs recompute), the seed workload
-#             with the host tier unused vs off, multi-turn chat at 4x oversubscription ~9 min
+#             with the host tier unused vs off                                  ~4 min
+#   multiturn bench_multiturn.py: Llama-3-8B chat at 4x oversubscription, tier off / on /
+#             an unbounded pool                                               ~5 min
 #   mgpu_prefill  the Mosaic GPU prefill attention: a one-case smoke test, then (if it
 #             passed) its tests                                               ~5 min
 #   mgpu_bench    bench_mgpu_prefill.py --alibi against Triton and cuDNN         ~9 min
@@ -240,10 +242,12 @@ job_tier() {
     --prefix-len 2000 --kv-offloading-size 8 --repeats 9 --json "$OUT/offload.json"
   run tier_off 120 "${t[@]}" --output-json "$OUT/tier_off.json"
   run tier_unused 120 "${t[@]}" --kv-offloading-size 16 --output-json "$OUT/tier_unused.json"
-  # (RESULTS.md's full run is 256 conversations x 6 turns; this one fits a device call)
-  run multiturn 300 python3 scripts/bench_multiturn.py --model llama-3-8b --load-format dummy \
+}
+job_multiturn() {  # (RESULTS.md's full run is 256 conversations x 6 turns at concurrency 64;
+  # this one fits a device call: 32 running histories fill the 4x-oversubscribed pool)
+  run multiturn 540 python3 scripts/bench_multiturn.py --model llama-3-8b --load-format dummy \
     --dtype bfloat16 --dataset synthetic --num-conversations 128 --turns 4 --user-len 200 \
-    --output-len 64 --concurrency 64 --max-num-seqs 64 --oversubscription 4 \
+    --output-len 64 --concurrency 32 --max-num-seqs 32 --oversubscription 4 \
     --kv-offloading-size 24 --json "$OUT/multiturn.json"
 }
 job_mgpu_prefill() {  # a barrier mistake hangs rather than fails: the smoke test goes first
