@@ -46,6 +46,9 @@
 #             qwen3-30b-a3b seed workload with its cache-off peer               ~6 min
 #   tier      bench_offload.py (Llama-2-7B bring-back vs recompute), the seed workload
 #             with the host tier unused vs off                                  ~4 min
+#   models    issue 37's models (MODELS="qwen3-8b gemma-3-12b qwen3-30b-a3b"; add
+#             mixtral-8x7b on an H200): the seed workload with the cache off too, then
+#             ShareGPT 1,000 prompts (needs carry ["bench_data"])     ~4 min a model
 #   multiturn bench_multiturn.py: Llama-3-8B chat at 4x oversubscription, tier off / on /
 #             an unbounded pool                                               ~5 min
 #   mgpu_prefill  the Mosaic GPU prefill attention: a one-case smoke test, then (if it
@@ -234,6 +237,18 @@ job_moe() {
     --tokens 1 64 256 1024 8192 --out "$OUT/moe_gemm.json"
   run moe_engine 300 python3 scripts/bench_engine.py --model qwen3-30b-a3b --output-len 128 \
     --ttft-reps 0 --max-num-batched-tokens 2048 --output-json "$OUT/moe_engine.json"
+}
+job_models() {  # issue 37: the seed workload with its cache-off peer, then ShareGPT (needs
+  # carry ["bench_data"]), per model of $MODELS (default the three that fit one H100 too)
+  local m
+  for m in ${MODELS:-qwen3-8b gemma-3-12b qwen3-30b-a3b}; do
+    run "seed_$m" 240 python3 scripts/bench_engine.py --model "$m" --output-len 128 \
+      --ttft-reps 0 --max-num-batched-tokens 2048 --output-json "$OUT/seed_$m.json"
+    [ -f bench_data/sharegpt_smollm2_1000.json ] && run "sharegpt_$m" 240 \
+      python3 scripts/bench_throughput.py --model "$m" --load-format dummy \
+      --dataset-name sharegpt --dataset-path bench_data/sharegpt_smollm2_1000.json \
+      --num-prompts 1000 --output-json "$OUT/sharegpt_$m.json"
+  done
 }
 job_tier() {
   local t=(python3 scripts/bench_throughput.py "${M[@]}" --input-len 700 --prefix-len 596
