@@ -244,3 +244,37 @@ def test_speculator_keeps_each_sequences_tokens_incrementally():
         assert arr.tolist() == seq.all_token_ids
         assert spec.proposer.propose(arr, 3) == fresh.propose(seq.all_token_ids, 3)
         seq.all_token_ids.append(int(rng.integers(3, 9)))
+
+
+def test_probe_holds_for_a_few_probes_after_a_proposal_and_reuses_its_lookup():
+    """`Speculator.probe` (the async engine's cue to wait for the step in flight): true
+    while a running sequence would propose, and for PROBE_HOLD - 1 more probes after the
+    last one that did; its lookup serves the `propose` on the same tokens. A seeded
+    sampled request pins the engine synchronous, a greedy or unseeded one does not."""
+    from jprefix.core.sequence import SequenceStatus
+    from jprefix.core.spec_decode import PROBE_HOLD, pins_sync
+
+    spec = Speculator(SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 3}))
+    loop = Sequence("l", [5, 6, 7] * 4, SamplingParams(temperature=0, max_tokens=50))
+    plain = Sequence("p", list(range(10, 40)), SamplingParams(temperature=0, max_tokens=50))
+    for seq in (loop, plain):
+        seq.status = SequenceStatus.RUNNING
+    assert spec.probe([plain, loop])
+    calls = []
+    real = spec.proposer.propose
+    spec.proposer.propose = lambda *a: calls.append(a) or real(*a)
+    assert spec.propose(loop, 8) == 3 and loop.spec_token_ids == [5, 6, 7]
+    assert not calls  # (the probe's lookup, same tokens)
+    spec.proposer.propose = real
+    held = [spec.probe([plain]) for _ in range(PROBE_HOLD + 2)]
+    assert held == [True] * (PROBE_HOLD - 1) + [False] * 3
+    assert not spec.probe([])
+    loop.status = SequenceStatus.FINISHED_STOPPED
+    assert not spec.probe([loop])  # (finished: proposes nothing)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8)
+    assert pins_sync(Sequence("s", [1, 2], seeded))
+    assert not pins_sync(Sequence("u", [1, 2], SamplingParams(temperature=0.8, max_tokens=8)))
+    assert not pins_sync(Sequence("g", [1, 2], SamplingParams(temperature=0, seed=3,
+                                                               max_tokens=8)))
