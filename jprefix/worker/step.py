@@ -61,6 +61,7 @@ from pallas_kernels.paged_attention import (
     paged_attention_reference,
 )
 from pallas_kernels.rope_kv_write import rope_write_kv
+from pallas_kernels.tiled_attention import tiled_attention
 
 BACKENDS = ("pallas", "xla", "pallas-interpret")
 
@@ -83,10 +84,10 @@ def _attention(backend: str, decode: bool, cascade: bool, q, cache, layer, batch
             use_reference=backend == "xla", max_q_len=1, **kw,
         )
     args = (q, k_cache, v_cache, layer, batch["block_tables"], batch["kv_lens"], batch["cu_q_lens"])
-    if backend == "xla":  # (one stream's rows gather its pages once)
+    if backend == "xla":  # one stream's rows, or a tile's, gather their pages once
         one = batch["block_tables"].shape[0] == 1
-        return (one_sequence_attention if one else paged_attention_reference)(
-            *args, scale=scale, **kw)
+        return (one_sequence_attention if one else paged_attention_reference if decode
+                else tiled_attention)(*args, scale=scale, **kw)
     interpret = backend == "pallas-interpret"
     num_decode = batch["num_decode"][0] if "num_decode" in batch else None
     if backend == "pallas" and not decode and (out := kernel_backend.prefill_attention_mosaic(
