@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", default="full", choices=["full", "short"],
+                    help="warm-up replay: the whole workload (every step shape it compiles) "
+                         "or its first 4 conversations")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -155,8 +158,12 @@ def main(argv: list[str] | None = None) -> None:
                   num_kv_blocks=(pool or None) if mode != "unbounded" else live // B + 64,
                   kv_offloading_size=args.kv_offloading_size if mode == "on" else 0.0)
         llm = LLM(model, **kw)
-        replay(llm, convs[: min(4, len(convs))], args.output_len, args.concurrency,
-               args.prefix_mode == "explicit")  # compiles the shapes; then a cold cache
+        if llm.engine.kv_tier is not None:  # every padded move size a step may take
+            llm.engine.kv_tier.offloader.compile_moves(running)
+        # compiles the shapes (the whole workload: its steps' shapes depend on its hits),
+        # then a cold cache
+        replay(llm, convs if args.warmup == "full" else convs[: min(4, len(convs))],
+               args.output_len, args.concurrency, args.prefix_mode == "explicit")
         llm.engine.prefix_pool.num_queried_tokens = llm.engine.prefix_pool.num_hit_tokens = 0
         llm.engine.prefix_pool.num_host_hit_tokens = 0
         if llm.engine.kv_tier is not None:

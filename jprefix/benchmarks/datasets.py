@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -105,7 +106,9 @@ def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> lis
 
 
 def save_requests(path: str, requests: list[Request], meta: dict) -> None:
-    """Writes a pre-tokenized request file (`load_requests` reads it back)."""
+    """Writes a pre-tokenized request file (`load_requests` reads it back), creating its
+    folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"jprefix_requests": [asdict(r) for r in requests], "meta": meta}, f)
 

@@ -174,6 +174,15 @@ class KVOffloader:
         self._writes.append((set(slots.tolist()), self._writer.submit(write)))
         self.stats.bytes_to_host += len(saves) * self.block_bytes
 
+    def compile_moves(self, max_blocks: int) -> None:
+        """Compiles the gather and the scatter for every padded size up to `max_blocks`
+        (queued on the launch thread; they move the null block 0 onto itself), so that a
+        measured run or a server's first requests do not pay for them mid-step."""
+        for n in (1 << i for i in range(_padded(max(1, max_blocks)).bit_length())):
+            null = np.zeros(n, np.int32)
+            self.runner.update_kv_cache(
+                lambda c, b=null: scatter_blocks(c, b, gather_blocks(c, b)))
+
     def flush(self) -> None:
         """Waits until every queued save is in the host pool."""
         while self._writes:
