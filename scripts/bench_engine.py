@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--ttft-reps", type=int, default=10)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="context length (default: the model's; a long-context model "
+                         "whose context outgrows the KV cache needs one)")
     ap.add_argument("--skip-off", action="store_true", help="skip the cache-off runs")
     ap.add_argument("--compare-cascade", action="store_true",
                     help="also run cache on with cascade decode off")
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(model, enable_prefix_caching=caching, num_kv_blocks=num_blocks,
                   enable_cascade=cascade, fixed_inputs=fixed,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                  max_model_len=args.max_model_len,
                   data_parallel_size=args.data_parallel_size,
                   async_scheduling=not args.no_async_scheduling, **engine_kw,
                   **fp8_kwargs(args))

@@ -8,7 +8,9 @@ bandwidth vs a plain `jax.device_put` / `np.asarray` of the same bytes.
    `--repeats`.
 2. Copies: the host tier's save (gather + device -> host) and load (host -> device +
    scatter) of that prefix's blocks, against `jax.device_put` of one host array of the
-   same bytes and `np.asarray` of one device array of the same bytes (GB/s).
+   same bytes and `np.asarray` of one device array of the same bytes (GB/s). The load
+   is timed with each `--load-pieces` (its host gather and DMA split into that many
+   pipelined pieces; the engine runs with `offload.LOAD_PIECES`).
 
     python scripts/bench_offload.py --model tiny-llama --load-format dummy \
         --prefix-len 2000
@@ -28,6 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.worker import offload  # noqa: E402
 from jprefix.worker.offload import KVOffloader  # noqa: E402
 from scripts.kernel_timing import wall_median  # noqa: E402
 
@@ -55,7 +58,7 @@ def engine_figures(llm: LLM, prefix_len: int, vocab: int, repeats: int, rng) -> 
             "recompute_ttft_ms": round(float(np.median(recompute)) * 1e3, 2)}
 
 
-def copy_figures(llm: LLM, prefix_len: int, repeats: int) -> dict:
+def copy_figures(llm: LLM, prefix_len: int, repeats: int, load_pieces: list[int]) -> dict:
     runner, tier = llm.engine.runner, llm.engine.kv_tier
     n = -(-prefix_len // llm.engine.args.block_size)
     off = KVOffloader(runner, n)
@@ -80,8 +83,13 @@ def copy_figures(llm: LLM, prefix_len: int, repeats: int) -> dict:
         np.asarray(dev + 0)  # (a fresh array: no cached host copy)
 
     times = {name: wall_median(fn, repeats) for name, fn in [
-        ("save", save), ("restore", restore), ("device_put", plain_h2d),
-        ("asarray", plain_d2h)]}
+        ("save", save), ("device_put", plain_h2d), ("asarray", plain_d2h)]}
+    default, by_pieces = offload.LOAD_PIECES, {}
+    for p in load_pieces:
+        offload.LOAD_PIECES = p
+        by_pieces[p] = wall_median(restore, repeats)
+    offload.LOAD_PIECES = default
+    times["restore"] = by_pieces.get(default, min(by_pieces.values()))
     gbs = {k: float(f"{nbytes / v / 1e9:.3g}") for k, v in times.items()}
     del tier
     return {"bytes": nbytes, "blocks": n,
@@ -90,7 +98,8 @@ def copy_figures(llm: LLM, prefix_len: int, repeats: int) -> dict:
             "save_GBs": gbs["save"], "restore_GBs": gbs["restore"],
             "device_put_GBs": gbs["device_put"], "asarray_GBs": gbs["asarray"],
             "restore_vs_device_put": round(times["device_put"] / times["restore"], 3),
-            "save_vs_asarray": round(times["asarray"] / times["save"], 3)}
+            "save_vs_asarray": round(times["asarray"] / times["save"], 3),
+            "restore_ms_by_pieces": {p: round(t * 1e3, 3) for p, t in by_pieces.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-offloading-size", type=float, default=4.0, help="GiB")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--load-pieces", type=int, nargs="+", default=[1, 2, offload.LOAD_PIECES, 8])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model = load(args.model, dtype=args.dtype, load_format=args.load_format)
@@ -112,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
               max_num_batched_tokens=max(8192, args.prefix_len + 1), enable_cascade=False)
     rng = np.random.default_rng(0)
     row = engine_figures(llm, args.prefix_len, model.config.vocab_size, args.repeats, rng)
-    row |= copy_figures(llm, args.prefix_len, args.repeats)
+    row |= copy_figures(llm, args.prefix_len, args.repeats, args.load_pieces)
     print(f"{args.model}: {args.prefix_len}-token prefix, {row['blocks']} blocks, "
           f"{row['bytes'] / 1e6:.1f} MB, device {jax.devices()[0].device_kind}")
     for k, v in row.items():

@@ -110,6 +110,67 @@ def test_blocks_saved_and_brought_back_are_bitwise_equal(fp8, pinned, monkeypatc
     assert off.stats.bytes_to_host == off.stats.bytes_to_device == 3 * off.block_bytes
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_load_in_pieces_brings_blocks_back_bitwise_equal(pinned, monkeypatch):
+    """Loads of 16 blocks and of 11 (padded to 16) in LOAD_PIECES = 4 pieces of 4, the
+    second reusing each piece's staging, into an fp8 cache (scales of another row shape):
+    every loaded block equals its saved block bitwise, and no other block but the null
+    block (the padding's target) changes; compile_moves' piece scatter moves nothing."""
+    import jax.numpy as jnp
+
+    from jprefix.worker import offload
+
+    if not pinned:
+        monkeypatch.setattr(offload, "pinned_works", lambda *a: False)
+    monkeypatch.setattr(offload, "LOAD_PIECES", 4)
+    rng = np.random.default_rng(1)
+    fp8 = np.dtype("float8_e4m3fn")
+    k, v = (quantize_rows(rng.standard_normal((2, 2, 40, 4, 8)).astype(np.float32), fp8)
+            for _ in range(2))
+    runner = StubRunner(tuple(jnp.asarray(c) for c in (k[0], v[0], k[1], v[1])))
+    before = [np.asarray(c).copy() for c in runner.kv_cache]
+    off = KVOffloader(runner, 16)
+    assert off.pinned == pinned
+    off.compile_moves(16)
+    assert all(np.asarray(c).tobytes() == b.tobytes()
+               for c, b in zip(runner.kv_cache, before, strict=True))
+    off.after_step(off.move([(1 + i, i) for i in range(16)], []))  # block 1 + i -> slot i
+    off.flush()
+    expect = [b.copy() for b in before]
+    for loads in ([(i, 20 + i) for i in range(16)], [(3 * i % 16, 21 + i) for i in range(11)]):
+        staged = off.move([], loads)
+        pieces = staged[1].result()
+        assert len(pieces) == 4 and all(len(p) == 4 and p[0].shape[0] == 4 for p in pieces)
+        off.after_step(staged)
+        for c, e, b in zip(runner.kv_cache, expect, before, strict=True):
+            for slot, block in loads:
+                e[:, :, block] = b[:, :, 1 + slot]
+            assert np.asarray(c)[:, :, 1:].tobytes() == e[:, :, 1:].tobytes()
+    if pinned:
+        assert set(off._staging) == {(4, p) for p in range(4)}
+    assert off.stats.bytes_to_device == 27 * off.block_bytes
+
+
+@pytest.mark.parametrize("threads", [1, 16])
+def test_host_rows_copies_split_over_threads_are_exact(threads, monkeypatch):
+    """HostRows' writes and reads of 1, 3 and 9 rows spread over `threads` (fewer rows
+    than threads: each row split along its first axis) over chunks of 2 rows."""
+    from jprefix.worker import host_rows
+
+    monkeypatch.setattr(host_rows, "_COPY_THREADS", threads)
+    rows = host_rows.HostRows(10, (5, 3, 4), np.float32, chunk_bytes=2 * 5 * 3 * 4 * 4)
+    rng = np.random.default_rng(2)
+    want = np.zeros((10, 5, 3, 4), np.float32)
+    for slots in ([7], [0, 9, 4], [1, 2, 3, 5, 6, 8, 0, 9, 4]):
+        data = rng.standard_normal((len(slots), 5, 3, 4)).astype(np.float32)
+        rows.write_from(np.asarray(slots, np.int64), data)
+        want[slots] = data
+        assert rows.rows(slots).tobytes() == data.tobytes()
+    out = np.empty_like(want)
+    rows.read_into(np.arange(10), out)
+    assert out.tobytes() == want.tobytes()
+
+
 def test_host_pool_never_exceeds_the_configured_size(sharp):
     llm = LLM(sharp, block_size=BS, num_kv_blocks=17, attention_backend="xla",
               kv_offloading_size=0.001)

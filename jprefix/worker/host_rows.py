@@ -25,7 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-_COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
+# Row copies run side by side on up to this many threads (a load's gather is host-bound;
+# GPU hosts have 16 or more cores).
+_COPY_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 def pinned_array(shape: tuple[int, ...], dtype: Any, sharding: Any
@@ -93,17 +95,15 @@ class HostRows:
 
     def read_into(self, slots: np.ndarray, out: np.ndarray) -> None:
         """out[i] = row slots[i], for i < len(slots)."""
-        def copy(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                out[i] = self._row(int(slots[i]))
-        _spread(copy, len(slots))
+        def copy(i: int, part: Any) -> None:
+            out[i][part] = self._row(int(slots[i]))[part]
+        _spread(copy, len(slots), self.row_shape)
 
     def write_from(self, slots: np.ndarray, data: np.ndarray) -> None:
         """Row slots[i] = data[i]."""
-        def copy(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                self._row(int(slots[i]))[...] = data[i]
-        _spread(copy, len(slots))
+        def copy(i: int, part: Any) -> None:
+            self._row(int(slots[i]))[part] = data[i][part]
+        _spread(copy, len(slots), self.row_shape)
 
     def rows(self, slots: list[int] | np.ndarray) -> np.ndarray:
         """A new NumPy array of rows slots."""
@@ -116,13 +116,24 @@ class HostRows:
 _copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, "jprefix-host-copy")
 
 
-def _spread(copy: Any, n: int) -> None:
-    """Runs copy(lo, hi) over [0, n) in up to _COPY_THREADS ranges (NumPy releases the
-    GIL for these copies, so they run side by side)."""
-    parts = min(_COPY_THREADS, n)
+def _spread(copy: Any, n: int, row_shape: tuple[int, ...]) -> None:
+    """Runs copy(i, part) for every row i < n and part of it, in up to _COPY_THREADS ranges
+    side by side (NumPy releases the GIL for these copies). A part is the whole row
+    (Ellipsis), or where n < _COPY_THREADS a slice of the row's first axis (contiguous), so
+    that a copy of a few large rows (a piece of a load) still uses every thread."""
+    splits = max(1, min(row_shape[0] if row_shape else 1, _COPY_THREADS // max(1, n)))
+    units = [(i, ...) for i in range(n)] if splits == 1 else [
+        (i, slice(row_shape[0] * j // splits, row_shape[0] * (j + 1) // splits))
+        for i in range(n) for j in range(splits)]
+
+    def run(lo: int, hi: int) -> None:
+        for i, part in units[lo:hi]:
+            copy(i, part)
+
+    parts = min(_COPY_THREADS, len(units))
     if parts <= 1:
-        copy(0, n)
+        run(0, len(units))
         return
-    bounds = [n * i // parts for i in range(parts + 1)]
-    for f in [_copier.submit(copy, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]:
+    bounds = [len(units) * i // parts for i in range(parts + 1)]
+    for f in [_copier.submit(run, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]:
         f.result()

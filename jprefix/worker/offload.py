@@ -14,11 +14,14 @@ Never on the critical path: every device-side move is queued on the runner's lau
 thread in dispatch order (`ModelRunner.update_kv_cache`), and every host-side copy runs on
 a thread of its own. Saves gather before the step (it may reuse the blocks) into pinned
 memory (a DMA the device runs asynchronously) and a writer thread copies the rows into the
-pool. Loads are gathered on a loader thread into pinned staging arrays (one per padded load
-size, reused once their last copy has finished; outside the tier's size, bounded by the
-largest step's loads), put on the device from there (one DMA per component) and scattered
-into the cache after the step; the sequence waits in the scheduler meanwhile, and a load
-reading a slot whose save is still being written waits for it on the loader thread.
+pool. Loads are gathered on a loader thread into pinned staging arrays in up to
+`LOAD_PIECES` pieces (one staging array per piece shape, piece index and component, reused
+once its last copy has finished; outside the tier's size, bounded by the largest step's
+loads), each piece put on the device (one DMA per component) as soon as it is gathered, so
+that the host gather of a piece, the slower side, runs while the previous piece's DMA does;
+the pieces are joined and scattered into the cache after the step. The sequence waits in
+the scheduler meanwhile, and a load reading a slot whose save is still being written
+waits for it on the loader thread.
 Under tensor parallelism the gather and scatter run under the cache's sharding (each
 device moves its own kv heads) and the pool is pageable NumPy.
 """
@@ -41,6 +44,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jprefix.worker.host_rows import HostRows, pinned_array, pinned_works
 
 KVCache = tuple[jax.Array, ...]
+# A load's pieces (at most; a padded load of n blocks, a power of two, splits into
+# min(LOAD_PIECES, n) equal pieces): more pieces overlap more of the host gather with the
+# DMAs, at one more staging array, DMA and scatter operand per piece.
+LOAD_PIECES = 4
 
 
 @dataclass
@@ -62,10 +69,22 @@ def gather_blocks(cache: KVCache, blocks: jax.Array) -> KVCache:
 
 
 @partial(jax.jit, donate_argnums=0)
-def scatter_blocks(cache: KVCache, blocks: jax.Array, data: KVCache) -> KVCache:
-    """Writes data [n, L, K, B, (D)] per component into blocks `blocks` [n] of cache."""
-    return tuple(c.at[:, :, blocks].set(jnp.moveaxis(d, 0, 2).astype(c.dtype))
+def scatter_blocks(cache: KVCache, blocks: jax.Array, data: tuple[Any, ...]) -> KVCache:
+    """Writes data per component into blocks `blocks` [n] of cache: one array
+    [n, L, K, B, (D)], or a tuple of pieces [n_i, L, K, B, (D)] (sum n_i = n, rows in
+    order) joined here, so the compile is keyed on n and the piece count."""
+    return tuple(c.at[:, :, blocks].set(jnp.moveaxis(_joined(d), 0, 2).astype(c.dtype))
                  for c, d in zip(cache, data, strict=True))
+
+
+def _joined(d: Any) -> jax.Array:
+    return jnp.concatenate(d, axis=0) if isinstance(d, (tuple, list)) else d
+
+
+def _pieces(n: int) -> tuple[int, int]:
+    """A padded load of n blocks as (pieces, blocks per piece)."""
+    pieces = min(LOAD_PIECES, n)
+    return pieces, n // pieces
 
 
 def _padded(n: int) -> int:
@@ -102,9 +121,11 @@ class KVOffloader:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, "jprefix-onload")
         weakref.finalize(self, self._writer.shutdown, wait=False)
         weakref.finalize(self, self._loader.shutdown, wait=False)
-        # per padded load size: pinned staging arrays, their views, the last copy out
-        self._staging: dict[int, tuple[tuple[jax.Array, ...], tuple[np.ndarray, ...]]] = {}
-        self._staged_last: dict[int, Any] = {}
+        # per (rows of a piece, piece index): pinned staging arrays, their views, the last
+        # copy out of them (loads of different sizes share those of the same piece shape)
+        self._staging: dict[tuple[int, int],
+                            tuple[tuple[jax.Array, ...], tuple[np.ndarray, ...]]] = {}
+        self._staged_last: dict[tuple[int, int], Any] = {}
         self.stats = OffloadStats()
 
     @staticmethod
@@ -175,13 +196,19 @@ class KVOffloader:
         self.stats.bytes_to_host += len(saves) * self.block_bytes
 
     def compile_moves(self, max_blocks: int) -> None:
-        """Compiles the gather and the scatter for every padded size up to `max_blocks`
-        (queued on the launch thread; they move the null block 0 onto itself), so that a
-        measured run or a server's first requests do not pay for them mid-step."""
+        """Compiles the gather and the scatter (of a load's pieces, as `_load` puts them)
+        for every padded size up to `max_blocks` (queued on the launch thread; they move
+        the null block 0 onto itself), so that a measured run or a server's first requests
+        do not pay for them mid-step."""
+        def move(cache: KVCache, blocks: np.ndarray) -> KVCache:
+            pieces, m = _pieces(len(blocks))
+            data = tuple(tuple(jax.device_put(x[p * m:(p + 1) * m], s) for p in range(pieces))
+                         for x, s in zip(gather_blocks(cache, blocks), self._device_shardings,
+                                         strict=True))
+            return scatter_blocks(cache, blocks, data)
+
         for n in (1 << i for i in range(_padded(max(1, max_blocks)).bit_length())):
-            null = np.zeros(n, np.int32)
-            self.runner.update_kv_cache(
-                lambda c, b=null: scatter_blocks(c, b, gather_blocks(c, b)))
+            self.runner.update_kv_cache(partial(move, blocks=np.zeros(n, np.int32)))
 
     def flush(self) -> None:
         """Waits until every queued save is in the host pool."""
@@ -197,31 +224,38 @@ class KVOffloader:
         self.stats.bytes_to_device += len(loads) * self.block_bytes
         return blocks, self._loader.submit(self._load, slots, pending)
 
-    def _load(self, slots: np.ndarray, pending: list[Any]) -> KVCache:
-        """(loader thread) The host rows `slots` on the device, one copy per component:
-        gathered into pinned staging arrays (reused per size once their last copy is
-        done) and put on the device from there, or put from NumPy without pinned memory."""
+    def _load(self, slots: np.ndarray, pending: list[Any]) -> tuple[tuple[jax.Array, ...], ...]:
+        """(loader thread) The host rows `slots` (a padded load) on the device: per
+        component, a tuple of its pieces' arrays in order (`_pieces`). Each piece's copies
+        start (asynchronously) before the next piece is gathered, so they overlap."""
         for f in pending:
             f.result()
         t0 = time.perf_counter()
         n = len(slots)
-        if not self.pinned:
-            data = tuple(jax.device_put(h.rows(slots), s)
-                         for h, s in zip(self.host, self._device_shardings, strict=True))
-        else:
-            if n not in self._staging:
-                self._staging[n] = tuple(zip(*(pinned_array((n, *h.row_shape), h.dtype, p)
-                                               for h, p in zip(self.host, self._host_shardings,
-                                                               strict=True)), strict=True))
-            arrays, views = self._staging[n]
-            if n in self._staged_last:  # its previous copy must have read the staging
-                jax.block_until_ready(self._staged_last[n])
-            for h, v in zip(self.host, views, strict=True):
-                h.read_into(slots, v)
-            data = tuple(jax.device_put(a, s)
-                         for a, s in zip(arrays, self._device_shardings, strict=True))
-            self._staged_last[n] = data
+        pieces, m = _pieces(n)
+        out = [self._put_piece((m, p), slots[p * m:(p + 1) * m]) for p in range(pieces)]
         self.stats.load_copy_s += time.perf_counter() - t0
+        return tuple(zip(*out, strict=True))
+
+    def _put_piece(self, key: tuple[int, int], slots: np.ndarray) -> tuple[jax.Array, ...]:
+        """(loader thread) The rows `slots` on the device, one copy per component: gathered
+        into the pinned staging arrays of `key` (reused once their last copy is done) and
+        put from there, or put from NumPy without pinned memory."""
+        if not self.pinned:
+            return tuple(jax.device_put(h.rows(slots), s)
+                         for h, s in zip(self.host, self._device_shardings, strict=True))
+        if key not in self._staging:
+            self._staging[key] = tuple(zip(*(pinned_array((len(slots), *h.row_shape), h.dtype, p)
+                                             for h, p in zip(self.host, self._host_shardings,
+                                                             strict=True)), strict=True))
+        arrays, views = self._staging[key]
+        if key in self._staged_last:  # its previous copy must have read the staging
+            jax.block_until_ready(self._staged_last[key])
+        for h, v in zip(self.host, views, strict=True):
+            h.read_into(slots, v)
+        data = tuple(jax.device_put(a, s)
+                     for a, s in zip(arrays, self._device_shardings, strict=True))
+        self._staged_last[key] = data
         return data
 
     def read(self, slots: list[int]) -> tuple[np.ndarray, ...]:
