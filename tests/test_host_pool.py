@@ -145,6 +145,30 @@ def test_evicted_prefix_comes_back_from_the_host_and_counts_as_host_hits():
                                                       again.sampling_params)
 
 
+@pytest.mark.parametrize("budget, together", [(64, 2), (16, 1)])
+def test_waiting_sequences_start_their_host_copies_in_one_step(budget, together):
+    """Two waiting histories on the host: both copies start in the first step when the
+    token budget covers them (one per step when it covers one), neither runs until its
+    copy is done, and the outputs equal the reference."""
+    sched, runner = make(num_blocks=13, block_size=4, host_slots=32,
+                         max_num_batched_tokens=budget)
+    hist = [list(range(1 + 20 * i, 17 + 20 * i)) for i in range(4)]  # 4 blocks each
+    _run_all(sched, runner, [seq(f"h{i}", h + [90], 2) for i, h in enumerate(hist)])
+    again = [seq("a", hist[0] + [91], 3), seq("b", hist[1] + [92], 3)]
+    for s in again:
+        sched.add(s)
+    out, _ = step(sched, runner)
+    started = [s for s in again if s.block_table and s.request_id not in sched.running]
+    assert len(started) == together and not out.scheduled
+    assert [s.request_id for s in sched.waiting][:together] == ["a", "b"][:together]
+    while sched.has_unfinished():
+        step(sched, runner)
+    for s in again:
+        assert s.num_cached_tokens == 16
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)
+    assert sched.prefix_pool.num_host_hit_tokens == 32
+
+
 def test_cache_salt_isolation_across_tiers():
     sched, runner = make(num_blocks=9, block_size=4, host_slots=16,
                          max_num_batched_tokens=64)

@@ -147,8 +147,21 @@ class Scheduler:
         return fit
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Sequences whose host-tier blocks start copying back this step leave the queue
+        # for the rest of the round (later ones are admitted or start their own copies
+        # meanwhile) and go back to its front: they start next step. A round starts
+        # copies of up to the step's token budget (a copy waits for a step to overlap).
+        loading: list[Sequence] = []
         self.waiting.begin_round()
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        try:
+            self._admit_waiting(out, budget, loading, 0)
+        finally:
+            for seq in reversed(loading):
+                self.waiting.prepend(seq)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loading: list[Sequence],
+                       loaded: int) -> None:
+        while budget > 0 and len(self.running) + len(loading) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None or seq.num_pending:  # preempted while its last token was in flight
                 break
@@ -157,7 +170,11 @@ class Scheduler:
                 continue
             n = self._admit(seq, budget)
             if n < 0:  # its blocks come back from the host tier: it starts next step
-                break
+                loading.append(self.waiting.remove(seq.request_id))
+                loaded += len(self.prefix_pool.moves.loading[-1][1]) * self.block_size
+                if loaded >= self.config.max_num_batched_tokens:
+                    break
+                continue
             if n == 0:
                 if not self.running:  # nothing can free blocks for it
                     if self.prefix_pool.release_loaded(self.waiting):  # (host tier)

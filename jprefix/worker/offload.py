@@ -222,25 +222,30 @@ class KVOffloader:
         blocks = np.zeros(n, np.int32)  # padding rewrites the null block
         blocks[:len(loads)] = [b for _, b in loads]
         self.stats.bytes_to_device += len(loads) * self.block_bytes
-        return blocks, self._loader.submit(self._load, slots, pending)
+        return blocks, self._loader.submit(self._load, slots, len(loads), pending)
 
-    def _load(self, slots: np.ndarray, pending: list[Any]) -> tuple[tuple[jax.Array, ...], ...]:
-        """(loader thread) The host rows `slots` (a padded load) on the device: per
-        component, a tuple of its pieces' arrays in order (`_pieces`). Each piece's copies
-        start (asynchronously) before the next piece is gathered, so they overlap."""
+    def _load(self, slots: np.ndarray, real: int, pending: list[Any]
+              ) -> tuple[tuple[jax.Array, ...], ...]:
+        """(loader thread) The host rows `slots` (a padded load, its first `real` rows
+        wanted) on the device: per component, a tuple of its pieces' arrays in order
+        (`_pieces`). Each piece's copies start (asynchronously) before the next piece is
+        gathered, so they overlap."""
         for f in pending:
             f.result()
         t0 = time.perf_counter()
         n = len(slots)
         pieces, m = _pieces(n)
-        out = [self._put_piece((m, p), slots[p * m:(p + 1) * m]) for p in range(pieces)]
+        out = [self._put_piece((m, p), slots[p * m:(p + 1) * m], real - p * m)
+               for p in range(pieces)]
         self.stats.load_copy_s += time.perf_counter() - t0
         return tuple(zip(*out, strict=True))
 
-    def _put_piece(self, key: tuple[int, int], slots: np.ndarray) -> tuple[jax.Array, ...]:
+    def _put_piece(self, key: tuple[int, int], slots: np.ndarray, real: int
+                   ) -> tuple[jax.Array, ...]:
         """(loader thread) The rows `slots` on the device, one copy per component: gathered
         into the pinned staging arrays of `key` (reused once their last copy is done) and
-        put from there, or put from NumPy without pinned memory."""
+        put from there, or put from NumPy without pinned memory. Rows from `real` on are
+        padding (scattered into the null block): not gathered, the staging's stale rows go."""
         if not self.pinned:
             return tuple(jax.device_put(h.rows(slots), s)
                          for h, s in zip(self.host, self._device_shardings, strict=True))
@@ -252,7 +257,7 @@ class KVOffloader:
         if key in self._staged_last:  # its previous copy must have read the staging
             jax.block_until_ready(self._staged_last[key])
         for h, v in zip(self.host, views, strict=True):
-            h.read_into(slots, v)
+            h.read_into(slots[:max(0, real)], v)
         data = tuple(jax.device_put(a, s)
                      for a, s in zip(arrays, self._device_shardings, strict=True))
         self._staged_last[key] = data
