@@ -121,12 +121,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             setattr(args, k, v)
     model = load(args.model, dtype=args.dtype, load_format=args.load_format)
     prompts = workload(args, model.config.vocab_size)
-    rows = [run_mode(model, args, prompts, mode == "hybrid")
-            for mode in args.modes.split(",")]
     print(f"{args.model} on {jax.devices()[0].device_kind}: {args.questions} questions on a "
-          f"{args.doc_tokens}-token document, {args.kv_gib} GiB of KV")
-    for r in rows:
-        print("  ".join(f"{k}={v}" for k, v in r.items()))
+          f"{args.doc_tokens}-token document, {args.kv_gib} GiB of KV", flush=True)
+    rows = []
+    for mode in args.modes.split(","):  # (each row printed once done: a cut run keeps it)
+        rows.append(run_mode(model, args, prompts, mode == "hybrid"))
+        print("  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     write_json(args.output_json, {"args": vars(args), "rows": rows})
     return rows
 

@@ -46,8 +46,9 @@ from jprefix.worker.host_rows import HostRows, pinned_array, pinned_works
 KVCache = tuple[jax.Array, ...]
 # A load's pieces (at most; a padded load of n blocks, a power of two, splits into
 # min(LOAD_PIECES, n) equal pieces): more pieces overlap more of the host gather with the
-# DMAs, at one more staging array, DMA and scatter operand per piece.
-LOAD_PIECES = 4
+# DMAs, at one more staging array, DMA and scatter operand per piece (chosen with
+# `scripts/bench_offload.py --load-pieces`; docs/PERF.md).
+LOAD_PIECES = 2
 
 
 @dataclass
