@@ -48,6 +48,7 @@ class TieredRunner(FakeRunner):
     def __init__(self, block_size: int):
         super().__init__(block_size)
         self.host: dict[int, dict[int, tuple[int, int]]] = {}
+        self.in_flight: list[list] = []  # [loads, steps until they land]
 
     def save(self, saves):
         for block, slot in saves:
@@ -66,13 +67,23 @@ def make(num_blocks, block_size, host_slots, **cfg):
     return Scheduler(SchedulerConfig(**cfg), bm, pool), TieredRunner(block_size)
 
 
-def step(sched, runner):
+def step(sched, runner, delay=0):
+    """One step; a step's loads land `delay` steps later (at once when a step runs
+    nothing: the engine then waits for the oldest copy), in order, as KVTier lands them."""
     out = sched.schedule()
     check(sched)
     saves, loads = sched.prefix_pool.take_moves()
     runner.save(saves)
     finished = out.ignored + sched.update(out, runner.execute(out))
-    runner.load(loads)
+    if loads:
+        runner.in_flight.append([loads, delay])
+    wait = not out.scheduled
+    while runner.in_flight and (runner.in_flight[0][1] <= 0 or wait):
+        runner.load(runner.in_flight.pop(0)[0])
+        sched.prefix_pool.land_oldest()
+        wait = False
+    for f in runner.in_flight:
+        f[1] -= 1
     check(sched)
     return out, finished
 
@@ -84,10 +95,11 @@ def check(sched):
     pool.host.check_invariants()
     holders = list(sched.running.values()) + [s for s in sched.waiting if s.block_table]
     owners = Counter(b for s in holders for b in s.block_table)
+    owners.update(b for blocks in pool.moves.orphans.values() for b in blocks)  # in flight
     for block in range(1, bm.num_blocks):  # refs are exactly the live owners
         assert bm.ref_count(block) == owners[block], block
         assert (bm.ref_count(block) > 0) != (block in bm.free_order()), block
-    loading = {id(s) for s, _ in pool.moves.loading}
+    loading = pool.moves.busy
     assert all(id(s) in loading or s.num_registered_blocks == len(s.block_table)
                or len(s.block_table) * sched.block_size >= s.num_computed_tokens
                for s in sched.waiting if s.block_table)
@@ -96,9 +108,10 @@ def check(sched):
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, block_size=st.sampled_from([2, 4]), num_blocks=st.integers(4, 16),
        budget=st.integers(1, 32), host_slots=st.integers(1, 24),
-       max_num_seqs=st.integers(1, 4))
+       max_num_seqs=st.integers(1, 4), delay=st.integers(0, 3))
 def test_random_workload_with_host_tier_matches_reference(reqs, block_size, num_blocks,
-                                                          budget, host_slots, max_num_seqs):
+                                                          budget, host_slots, max_num_seqs,
+                                                          delay):
     sched, runner = make(num_blocks, block_size, host_slots, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs)
     seqs = workload_seqs(reqs)
@@ -110,7 +123,7 @@ def test_random_workload_with_host_tier_matches_reference(reqs, block_size, num_
                 sched.abort(s.request_id)
         if t > max(r[5] for r in reqs) and not sched.has_unfinished():
             break
-        step(sched, runner)
+        step(sched, runner, delay)
     else:
         raise AssertionError("workload did not finish")
     bm = sched.block_manager
@@ -167,6 +180,40 @@ def test_waiting_sequences_start_their_host_copies_in_one_step(budget, together)
         assert s.num_cached_tokens == 16
         assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)
     assert sched.prefix_pool.num_host_hit_tokens == 32
+
+
+def test_copies_in_flight_hold_their_sequences_and_an_aborted_ones_blocks():
+    """Copies that land two steps after they start (another sequence decoding meanwhile):
+    their sequences are not scheduled before, an aborted one's blocks stay out of the free
+    list until its copy lands, and everything balances at the end."""
+    sched, runner = make(num_blocks=17, block_size=4, host_slots=32,
+                         max_num_batched_tokens=64)
+    hist = [list(range(1 + 20 * i, 17 + 20 * i)) for i in range(5)]  # 4 blocks each
+    _run_all(sched, runner, [seq(f"h{i}", h + [90], 2) for i, h in enumerate(hist)])
+    c = seq("c", [7, 8, 9], 8)
+    a, b = seq("a", hist[0] + [91], 3), seq("b", hist[1] + [92], 3)
+    sched.add(c)
+    step(sched, runner)
+    pool = sched.prefix_pool
+    sched.add(a)
+    sched.add(b)
+    step(sched, runner, delay=2)
+    assert pool.is_loading(a) and pool.is_loading(b)
+    held = list(a.block_table)
+    sched.abort("a")
+    assert held and all(sched.block_manager.ref_count(x) == 1 for x in held)
+    for _ in range(2):  # the copies land at the end of the second of these steps
+        out, _ = step(sched, runner)
+        assert {sc.seq.request_id for sc in out.scheduled} == {"c"}
+    assert all(sched.block_manager.ref_count(x) == 0 for x in held)
+    out, _ = step(sched, runner)
+    assert "b" in {sc.seq.request_id for sc in out.scheduled}
+    while sched.has_unfinished():
+        step(sched, runner)
+    assert b.num_cached_tokens == 16
+    assert b.output_token_ids == reference_output(b.prompt_token_ids, b.sampling_params)
+    bm = sched.block_manager
+    assert all(bm.ref_count(x) == 0 for x in range(bm.num_blocks))
 
 
 def test_cache_salt_isolation_across_tiers():

@@ -5,13 +5,18 @@ Write on eviction: a cached block that leaves HBM (its block reused, `PrefixPool
 is stored in the host pool with its subtree; blocks that never leave HBM cost no copy,
 and a block on the host already is not written again (the tier is inclusive). A prompt
 whose HBM match stops where the host pool continues gets fresh HBM blocks for that run;
-their copies run after the step (`take_moves`), so the sequence waits one step in the
-scheduler (`Scheduler._admit` returns -1) and the blocks join the trie then
-(`finish_loads`). The copied-back tokens count as cached and as host hits.
+their copies start with the step (`take_moves`: one batch a step) and land after some
+later step, in order (`land_oldest`: the worker found the batch's host copy done and
+queued its scatter after that step), so the sequence waits in the scheduler meanwhile
+(`Scheduler._admit` returns -1 while `is_loading`) and the blocks join the trie at the
+next schedule (`finish_loads`). A sequence aborted in flight keeps its blocks out of the
+free list until its batch lands (the scatter would write into their next owner). The
+copied-back tokens count as cached and as host hits.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +27,18 @@ from jprefix.core.prefix_trie import PrefixNode
 @dataclass
 class KVMoves:
     """Copies between the tiers the scheduler decided this step (the worker runs them):
-    saves (HBM block, host slot), loads (host slot, HBM block), and the sequences whose
-    loads are in flight with the host nodes they read."""
+    saves (HBM block, host slot), loads (host slot, HBM block), the sequences whose loads
+    start this step with the host nodes they read; then the batches in flight (a step's
+    `loading`, oldest first), the landed ones not yet registered, and per sequence id in
+    either the sequence (`is_loading`)."""
 
     saves: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     loading: list[tuple[Any, list[HostNode]]] = field(default_factory=list)
+    in_flight: deque = field(default_factory=deque)
+    landed: list[tuple[Any, list[HostNode]]] = field(default_factory=list)
+    busy: dict[int, Any] = field(default_factory=dict)
+    orphans: dict[int, list[int]] = field(default_factory=dict)  # aborted: id -> blocks
 
 
 class HostTierMixin:
@@ -75,32 +86,67 @@ class HostTierMixin:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.moves.loads.extend((n.slot, b) for n, b in zip(nodes, blocks, strict=True))
         self.moves.loading.append((seq, nodes))
+        self.moves.busy[id(seq)] = seq
         if seq.num_preemptions == 0:  # (a hit is counted once per request)
             self.num_host_hit_tokens += len(nodes) * self.block_size
         return len(nodes)
 
     def finish_loads(self) -> None:
-        """The copies queued before the last step are done (the device runs in order):
-        registers their blocks in the trie and releases the host slots."""
-        loading, self.moves.loading = self.moves.loading, []
-        for seq, nodes in loading:
+        """Registers the blocks of the landed batches in the trie (their scatters are
+        queued before the step about to be scheduled) and releases their host slots."""
+        landed, self.moves.landed = self.moves.landed, []
+        for seq, nodes in landed:
             self.host.decref(nodes)
+            del self.moves.busy[id(seq)]
             if seq.block_table:  # (not aborted meanwhile)
                 self.register_blocks(seq, seq.num_computed_tokens,
                                      seq.num_shareable_blocks(self.block_size))
 
     def take_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (block, slot) saves and (slot, block) loads, for the worker; saves
-        must run before the step (it may overwrite their blocks), loads after it."""
+        must run before the step (it may overwrite their blocks), loads after it. A step
+        with loads puts one batch in flight: the worker lands it (`land_oldest`)."""
         saves, loads = self.moves.saves, self.moves.loads
         self.moves.saves, self.moves.loads = [], []
+        if loads:
+            self.moves.in_flight.append(self.moves.loading)
+            self.moves.loading = []
         return saves, loads
+
+    def land_oldest(self) -> None:
+        """The oldest batch in flight is copied and its scatter queued (after the step
+        just dispatched): its sequences may run from the next schedule; blocks of
+        sequences aborted meanwhile go back to the free list now."""
+        batch = self.moves.in_flight.popleft()
+        self.moves.landed.extend(batch)
+        for seq, _ in batch:
+            self.block_manager.free(self.moves.orphans.pop(id(seq), []))
+
+    def is_loading(self, seq: Any) -> bool:
+        """Whether seq's host-tier blocks are still being copied back."""
+        return id(seq) in self.moves.busy
+
+    def loads_pending(self) -> bool:
+        return bool(self.moves.busy)
+
+    def loading_tokens(self) -> int:
+        """Tokens of the copies started this round or still in flight."""
+        batches = [self.moves.loading, *self.moves.in_flight]
+        return sum(len(nodes) for b in batches for _, nodes in b) * self.block_size
+
+    def release_finished(self, seq: Any, blocks: list[int]) -> list[int]:
+        """The blocks of a finished (aborted) sequence to free now: none while its copy is
+        in flight (they are freed when its batch lands)."""
+        if id(seq) in self.moves.busy and not any(s is seq for s, _ in self.moves.landed):
+            self.moves.orphans[id(seq)] = blocks
+            return []
+        return blocks
 
     def release_loaded(self, waiting: Any) -> bool:
         """Frees the blocks waiting sequences hold after their host-tier copies (they are
         cached, so they match again); False if none does. Blocks of copies still in flight
-        are kept: they are written after the step."""
-        busy = {id(s) for s, _ in self.moves.loading}
+        are kept: they are written after a later step."""
+        busy = self.moves.busy
         held = [s for s in waiting if s.block_table and id(s) not in busy]
         for s in held:
             self.block_manager.free(s.reset_blocks())

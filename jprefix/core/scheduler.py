@@ -70,11 +70,11 @@ class Scheduler:
         """Ends a sequence (the engine calls this on a stop string) and frees its blocks."""
         self.running.pop(seq.request_id, None)
         self.waiting.remove(seq.request_id)
-        self.block_manager.free(seq.release_blocks())
+        self.block_manager.free(self.prefix_pool.release_finished(seq, seq.release_blocks()))
         seq.set_finished(reason)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.running) or bool(len(self.waiting))
+    def has_unfinished(self) -> bool:  # (host-tier copies of aborted sequences too)
+        return bool(self.running) or bool(len(self.waiting)) or self.prefix_pool.loads_pending()
 
     # -- schedule --------------------------------------------------------------------
 
@@ -84,7 +84,7 @@ class Scheduler:
             ordered = sorted(self.running.values(), key=lambda s: s.arrival_time)
             self.running = {s.request_id: s for s in ordered}
             self._running_sorted = True
-        if self.prefix_pool.moves.loading:  # host tier: copies queued last step are done
+        if self.prefix_pool.moves.landed:  # host tier: copies landed after the last step
             self.prefix_pool.finish_loads()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # no new admissions in a step that had to preempt
@@ -147,20 +147,19 @@ class Scheduler:
         return fit
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        # Sequences whose host-tier blocks start copying back this step leave the queue
-        # for the rest of the round (later ones are admitted or start their own copies
-        # meanwhile) and go back to its front: they start next step. A round starts
-        # copies of up to the step's token budget (a copy waits for a step to overlap).
+        # Sequences whose host-tier blocks copy back leave the queue for the round (later
+        # ones are admitted or start copies) and return to its front: they start once
+        # their copies land. Copies in flight stay within the step's token budget.
         loading: list[Sequence] = []
         self.waiting.begin_round()
         try:
-            self._admit_waiting(out, budget, loading, 0)
+            self._admit_waiting(out, budget, loading)
         finally:
             for seq in reversed(loading):
                 self.waiting.prepend(seq)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, loading: list[Sequence],
-                       loaded: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loading: list[Sequence]
+                       ) -> None:
         while budget > 0 and len(self.running) + len(loading) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None or seq.num_pending:  # preempted while its last token was in flight
@@ -168,18 +167,19 @@ class Scheduler:
             if self._never_fits(seq):
                 self._ignore(seq, out)
                 continue
-            n = self._admit(seq, budget)
-            if n < 0:  # its blocks come back from the host tier: it starts next step
+            started = not self.prefix_pool.is_loading(seq)
+            n = self._admit(seq, budget) if started else -1
+            if n < 0:  # its blocks come back from the host tier: it starts once they land
                 loading.append(self.waiting.remove(seq.request_id))
-                loaded += len(self.prefix_pool.moves.loading[-1][1]) * self.block_size
-                if loaded >= self.config.max_num_batched_tokens:
+                if started and (self.prefix_pool.loading_tokens()
+                                >= self.config.max_num_batched_tokens):
                     break
                 continue
             if n == 0:
                 if not self.running:  # nothing can free blocks for it
                     if self.prefix_pool.release_loaded(self.waiting):  # (host tier)
                         continue
-                    if not self.prefix_pool.moves.loading:
+                    if not self.prefix_pool.loads_pending():
                         self._ignore(seq, out)
                         continue
                 break
@@ -190,7 +190,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Matches the prefix cache and sizes the first chunk; 0 (no blocks held) if it
-        cannot start this step; -1 (blocks held) while its host-tier blocks copy back."""
+        cannot start this step; -1 (blocks held) when its host-tier blocks start copying back."""
         if self.config.enable_prefix_caching and not seq.block_table:
             self._match(seq)
             if self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)):

@@ -4,6 +4,7 @@ prefix cache saved to and loaded from disk (`jprefix.engine.prefix_cache_file`).
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ class KVTier:
                              f"{KVOffloader.block_bytes_of(runner)} bytes)")
         self.offloader = KVOffloader(runner, num_slots)
         self.pool = HostPool(num_slots, block_size)
+        self._staged: deque = deque()  # loads in flight, oldest first: (blocks, future)
+        self._pool: PrefixPool | None = None
 
     @classmethod
     def for_args(cls, runner: Any, size_gib: float, block_size: int,
@@ -52,13 +55,24 @@ class KVTier:
         return cls(runner, slots, block_size)
 
     def before_step(self, pool: PrefixPool) -> Any:
-        """Queues the step's saves (before the step runs) and stages its loads."""
+        """Queues the step's saves (before the step runs) and stages its loads (their host
+        copies start on the loader thread)."""
+        self._pool = pool
         saves, loads = pool.take_moves()
         return self.offloader.move(saves, loads)
 
-    def after_step(self, staged: Any) -> None:
-        """Queues the staged loads' scatter after the step."""
-        self.offloader.after_step(staged)
+    def after_step(self, staged: Any, idle: bool = False) -> None:
+        """Queues after the step the scatters of the staged loads whose host copies are
+        done, oldest first, and lands their batches in the pool: a copy still running
+        never holds the launch thread (its sequences wait in the scheduler). `idle`: the
+        step ran nothing, so the oldest copy is waited for rather than polled."""
+        if staged is not None:
+            self._staged.append(staged)
+        if idle and self._staged:
+            self._staged[0][1].result()
+        while self._staged and self._staged[0][1].done():
+            self.offloader.after_step(self._staged.popleft())
+            self._pool.land_oldest()
 
     def counters(self) -> dict[str, Any]:
         s, p = self.offloader.stats, self.pool

@@ -197,8 +197,8 @@ class LLMEngine(EngineFront):
             finally:
                 if masks_later and launched is not None:  # (its masks need done's tokens)
                     self.runner.sample(launched.handle, self.structured.bitmasks(out.scheduled))
-                if staged is not None:  # host-tier loads, after the step (they wait for it)
-                    self.kv_tier.after_step(staged)
+                if self.kv_tier is not None:  # host-tier loads whose copies are done
+                    self.kv_tier.after_step(staged, idle=launched is None)
             if (self._inflight is not None and not self._pending
                     and not self.scheduler.has_unfinished()):
                 # every sequence of the step in flight has already finished (a stop seen

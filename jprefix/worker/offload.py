@@ -19,9 +19,10 @@ pool. Loads are gathered on a loader thread into pinned staging arrays in up to
 once its last copy has finished; outside the tier's size, bounded by the largest step's
 loads), each piece put on the device (one DMA per component) as soon as it is gathered, so
 that the host gather of a piece, the slower side, runs while the previous piece's DMA does;
-the pieces are joined and scattered into the cache after the step. The sequence waits in
-the scheduler meanwhile, and a load reading a slot whose save is still being written
-waits for it on the loader thread.
+the pieces are joined and scattered into the cache after a step (the engine's KVTier
+queues the scatter once the copy is done). The sequence waits in the scheduler
+meanwhile, and a load reading a slot whose save is still being written waits for it on
+the loader thread.
 Under tensor parallelism the gather and scatter run under the cache's sharding (each
 device moves its own kv heads) and the pool is pageable NumPy.
 """
