@@ -8,9 +8,11 @@ bandwidth vs a plain `jax.device_put` / `np.asarray` of the same bytes.
    `--repeats`.
 2. Copies: the host tier's save (gather + device -> host) and load (host -> device +
    scatter) of that prefix's blocks, against `jax.device_put` of one host array of the
-   same bytes and `np.asarray` of one device array of the same bytes (GB/s). The load
-   is timed with each `--load-pieces` (its host gather and DMA split into that many
-   pipelined pieces; the engine runs with `offload.LOAD_PIECES`).
+   same bytes (pageable, and pinned where the device has pinned host memory) and
+   `np.asarray` of one device array of the same bytes (GB/s). The load is timed
+   in-stream (rows copied straight from the pinned pool, the engine's default where the
+   pool is pinned) and staged with each `--load-pieces` (a host gather into pinned
+   staging and its DMA split into that many pipelined pieces).
 
     python scripts/bench_offload.py --model tiny-llama --load-format dummy \
         --prefix-len 2000
@@ -28,9 +30,11 @@ if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout 
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
-from jprefix.worker import offload  # noqa: E402
+from jprefix.worker import host_loads  # noqa: E402
+from jprefix.worker.host_rows import pinned_array  # noqa: E402
 from jprefix.worker.offload import KVOffloader  # noqa: E402
 from scripts.kernel_timing import wall_median  # noqa: E402
 
@@ -76,28 +80,42 @@ def copy_figures(llm: LLM, prefix_len: int, repeats: int, load_pieces: list[int]
     host = np.ones(nbytes // 4, np.float32)
     dev = jax.device_put(host, next(iter(runner.kv_cache[0].devices())))
 
+    device = next(iter(runner.kv_cache[0].devices()))
+    pinned = (pinned_array(host.shape, host.dtype, off.host_shardings[0])[0] if off.pinned
+              else host)
+
     def plain_h2d() -> None:
-        jax.block_until_ready(jax.device_put(host, next(iter(runner.kv_cache[0].devices()))))
+        jax.block_until_ready(jax.device_put(host, device))
+
+    def pinned_h2d() -> None:
+        jax.block_until_ready(jax.device_put(pinned, SingleDeviceSharding(device)))
 
     def plain_d2h() -> None:
         np.asarray(dev + 0)  # (a fresh array: no cached host copy)
 
     times = {name: wall_median(fn, repeats) for name, fn in [
-        ("save", save), ("device_put", plain_h2d), ("asarray", plain_d2h)]}
-    default, by_pieces = offload.LOAD_PIECES, {}
+        ("save", save), ("device_put", plain_h2d), ("device_put_pinned", pinned_h2d),
+        ("asarray", plain_d2h)]}
+    default, by_pieces, in_stream = host_loads.LOAD_PIECES, {}, off.in_stream
+    off.in_stream = False
     for p in load_pieces:
-        offload.LOAD_PIECES = p
+        host_loads.LOAD_PIECES = p
         by_pieces[p] = wall_median(restore, repeats)
-    offload.LOAD_PIECES = default
-    times["restore"] = by_pieces.get(default, min(by_pieces.values()))
+    host_loads.LOAD_PIECES = default
+    off.in_stream = in_stream
+    times["restore"] = (wall_median(restore, repeats) if in_stream else
+                        by_pieces.get(default, min(by_pieces.values())))
     gbs = {k: float(f"{nbytes / v / 1e9:.3g}") for k, v in times.items()}
     del tier
     return {"bytes": nbytes, "blocks": n,
             "save_ms": round(times["save"] * 1e3, 3),
             "restore_ms": round(times["restore"] * 1e3, 3),
             "save_GBs": gbs["save"], "restore_GBs": gbs["restore"],
-            "device_put_GBs": gbs["device_put"], "asarray_GBs": gbs["asarray"],
+            "in_stream": in_stream, "device_put_GBs": gbs["device_put"],
+            "device_put_pinned_GBs": gbs["device_put_pinned"], "asarray_GBs": gbs["asarray"],
             "restore_vs_device_put": round(times["device_put"] / times["restore"], 3),
+            "restore_vs_device_put_pinned": round(times["device_put_pinned"] / times["restore"],
+                                                  3),
             "save_vs_asarray": round(times["asarray"] / times["save"], 3),
             "restore_ms_by_pieces": {p: round(t * 1e3, 3) for p, t in by_pieces.items()}}
 
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-offloading-size", type=float, default=4.0, help="GiB")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--load-pieces", type=int, nargs="+", default=[1, 2, offload.LOAD_PIECES, 8])
+    ap.add_argument("--load-pieces", type=int, nargs="+", default=[1, 2, host_loads.LOAD_PIECES, 8])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model = load(args.model, dtype=args.dtype, load_format=args.load_format)

@@ -1,8 +1,9 @@
 """The prefix cache's host tier on the host side (no jax): HostPool's LRU, bound and exact
 keys; the scheduler with the tier over random workloads against the fake model of
 scheduler_cases, with a fake host pool that moves the simulated blocks as the worker
-would (saves before the step, loads after it): outputs equal the reference, ref counts
-and both pools' invariants hold every step, no block is both free and referenced."""
+would (saves before the step, loads after it or, in-stream, before it): outputs equal
+the reference, ref counts and both pools' invariants hold every step, no block is both
+free and referenced."""
 
 from collections import Counter
 
@@ -69,11 +70,16 @@ def make(num_blocks, block_size, host_slots, **cfg):
 
 def step(sched, runner, delay=0):
     """One step; a step's loads land `delay` steps later (at once when a step runs
-    nothing: the engine then waits for the oldest copy), in order, as KVTier lands them."""
+    nothing: the engine then waits for the oldest copy), in order, as KVTier lands them;
+    with in-stream loads (`loads_in_step`) before the step runs, which lands them."""
     out = sched.schedule()
     check(sched)
     saves, loads = sched.prefix_pool.take_moves()
     runner.save(saves)
+    if loads and sched.prefix_pool.loads_land_in_step():
+        runner.load(loads)
+        sched.prefix_pool.land_oldest()
+        loads = []
     finished = out.ignored + sched.update(out, runner.execute(out))
     if loads:
         runner.in_flight.append([loads, delay])
@@ -108,12 +114,14 @@ def check(sched):
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, block_size=st.sampled_from([2, 4]), num_blocks=st.integers(4, 16),
        budget=st.integers(1, 32), host_slots=st.integers(1, 24),
-       max_num_seqs=st.integers(1, 4), delay=st.integers(0, 3))
+       max_num_seqs=st.integers(1, 4), delay=st.integers(-1, 3))
 def test_random_workload_with_host_tier_matches_reference(reqs, block_size, num_blocks,
                                                           budget, host_slots, max_num_seqs,
                                                           delay):
+    """delay -1: in-stream loads (a sequence runs in the step that copies its blocks)."""
     sched, runner = make(num_blocks, block_size, host_slots, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs)
+    sched.prefix_pool.host.loads_in_step = delay < 0
     seqs = workload_seqs(reqs)
     for t in range(2000):
         for r, s in zip(reqs, seqs, strict=True):
@@ -180,6 +188,30 @@ def test_waiting_sequences_start_their_host_copies_in_one_step(budget, together)
         assert s.num_cached_tokens == 16
         assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)
     assert sched.prefix_pool.num_host_hit_tokens == 32
+
+
+def test_in_stream_copies_run_their_sequences_in_the_same_step():
+    """With loads copied before the step (in-stream), two waiting histories on the host
+    run in the step that copies them back: each row starts after its 16 host-hit tokens,
+    none waits a step, the outputs equal the reference and every block is freed."""
+    sched, runner = make(num_blocks=13, block_size=4, host_slots=32,
+                         max_num_batched_tokens=64)
+    sched.prefix_pool.host.loads_in_step = True
+    hist = [list(range(1 + 20 * i, 17 + 20 * i)) for i in range(4)]  # 4 blocks each
+    _run_all(sched, runner, [seq(f"h{i}", h + [90], 2) for i, h in enumerate(hist)])
+    again = [seq("a", hist[0] + [91], 3), seq("b", hist[1] + [92], 3)]
+    for s in again:
+        sched.add(s)
+    out, _ = step(sched, runner)
+    assert {(sc.seq.request_id, sc.start) for sc in out.scheduled} == {("a", 16), ("b", 16)}
+    while sched.has_unfinished():
+        step(sched, runner)
+    for s in again:
+        assert s.num_cached_tokens == 16
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)
+    assert sched.prefix_pool.num_host_hit_tokens == 32
+    bm = sched.block_manager
+    assert all(bm.ref_count(x) == 0 for x in range(bm.num_blocks))
 
 
 def test_copies_in_flight_hold_their_sequences_and_an_aborted_ones_blocks():

@@ -41,5 +41,5 @@ def test_a_pinned_chunk_is_what_the_device_reads():
     host, device = _pinned()
     rows = HostRows(8, (4,), np.float32, host)
     rows.write_from(np.array([5]), np.full((1, 4), 3.0, np.float32))
-    (arr,) = rows._keep
+    arr = rows.chunk_array(0)
     np.testing.assert_array_equal(np.asarray(jax.device_put(arr, device))[5], 3.0)

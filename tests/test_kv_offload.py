@@ -118,11 +118,12 @@ def test_a_load_in_pieces_brings_blocks_back_bitwise_equal(pinned, monkeypatch):
     block (the padding's target) changes; compile_moves' piece scatter moves nothing."""
     import jax.numpy as jnp
 
-    from jprefix.worker import offload
+    from jprefix.worker import host_loads, offload
 
     if not pinned:
         monkeypatch.setattr(offload, "pinned_works", lambda *a: False)
-    monkeypatch.setattr(offload, "LOAD_PIECES", 4)
+    monkeypatch.setattr(host_loads, "LOAD_PIECES", 4)
+    monkeypatch.setattr(host_loads, "IN_STREAM_LOADS", False)
     rng = np.random.default_rng(1)
     fp8 = np.dtype("float8_e4m3fn")
     k, v = (quantize_rows(rng.standard_normal((2, 2, 40, 4, 8)).astype(np.float32), fp8)
@@ -147,7 +148,45 @@ def test_a_load_in_pieces_brings_blocks_back_bitwise_equal(pinned, monkeypatch):
                 e[:, :, block] = b[:, :, 1 + slot]
             assert np.asarray(c)[:, :, 1:].tobytes() == e[:, :, 1:].tobytes()
     if pinned:
-        assert set(off._staging) == {(4, p) for p in range(4)}
+        assert set(off._staged._staging) == {(4, p) for p in range(4)}
+    assert off.stats.bytes_to_device == 27 * off.block_bytes
+
+
+@pytest.mark.parametrize("max_rows", [4, 256])
+def test_in_stream_loads_copy_rows_from_the_pinned_chunks_bitwise(max_rows, monkeypatch):
+    """In-stream loads over a pool of 3-row chunks (a load reads several chunks; with
+    IN_STREAM_ROWS = 4 a chunk's rows split over programs too) into an fp8 cache: every
+    loaded block equals its saved block bitwise and no other block changes, the null
+    block included (padding writes past the cache's end); compile_moves moves nothing;
+    a load of a slot whose save is still queued (no flush) reads the saved bytes."""
+    import jax.numpy as jnp
+
+    from jprefix.worker import host_loads, offload
+
+    monkeypatch.setattr(host_loads, "IN_STREAM_ROWS", max_rows)
+    row_bytes = 2 * 2 * 4 * 8  # one fp8 K row; the scales' rows are smaller
+    monkeypatch.setattr(offload, "CHUNK_BYTES", 3 * row_bytes)
+    rng = np.random.default_rng(3)
+    fp8 = np.dtype("float8_e4m3fn")
+    k, v = (quantize_rows(rng.standard_normal((2, 2, 40, 4, 8)).astype(np.float32), fp8)
+            for _ in range(2))
+    runner = StubRunner(tuple(jnp.asarray(c) for c in (k[0], v[0], k[1], v[1])))
+    before = [np.asarray(c).copy() for c in runner.kv_cache]
+    off = KVOffloader(runner, 16)
+    assert off.in_stream and off.host[0].per_chunk == 3
+    off.compile_moves(16)
+    assert all(np.asarray(c).tobytes() == b.tobytes()
+               for c, b in zip(runner.kv_cache, before, strict=True))
+    assert off.after_step(off.move([(1 + i, i) for i in range(12)], [])) is None
+    expect = [b.copy() for b in before]
+    for saves, loads in (([(13, 12), (14, 13)], [(12, 20), (13, 21)]),  # saved, not flushed
+                         ([], [(i, 22 + i) for i in range(14)]),
+                         ([], [(3 * i % 14, 5 + i) for i in range(11)])):
+        assert off.move(saves, loads) is None  # (queued on the launch thread: no staging)
+        for c, e, b in zip(runner.kv_cache, expect, before, strict=True):
+            for slot, block in loads:
+                e[:, :, block] = b[:, :, 1 + slot]
+            assert np.asarray(c).tobytes() == e.tobytes()
     assert off.stats.bytes_to_device == 27 * off.block_bytes
 
 

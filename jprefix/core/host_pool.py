@@ -72,6 +72,9 @@ class HostPool:
         self.num_dropped_blocks = 0  # slots reused under pressure
         self.num_rejected_blocks = 0  # evicted from HBM and not kept (all slots held)
         self.events: KVEventSink | None = None  # KV events, if on
+        # the worker copies a step's loads before the step runs (their sequences may run
+        # in it) rather than while later steps run (`jprefix.worker.offload`)
+        self.loads_in_step = False
 
     @property
     def num_used_slots(self) -> int:

@@ -122,6 +122,10 @@ class HostTierMixin:
         for seq, _ in batch:
             self.block_manager.free(self.moves.orphans.pop(id(seq), []))
 
+    def loads_land_in_step(self) -> bool:
+        """Whether a sequence may run in the step that copies its blocks back."""
+        return self.host is not None and self.host.loads_in_step
+
     def is_loading(self, seq: Any) -> bool:
         """Whether seq's host-tier blocks are still being copied back."""
         return id(seq) in self.moves.busy
@@ -135,10 +139,10 @@ class HostTierMixin:
         return sum(len(nodes) for b in batches for _, nodes in b) * self.block_size
 
     def release_finished(self, seq: Any, blocks: list[int]) -> list[int]:
-        """The blocks of a finished (aborted) sequence to free now: none while its copy is
-        in flight (they are freed when its batch lands)."""
+        """The blocks of a finished (aborted) or preempted sequence to free now: none
+        while its copy is in flight (they are freed when its batch lands)."""
         if id(seq) in self.moves.busy and not any(s is seq for s, _ in self.moves.landed):
-            self.moves.orphans[id(seq)] = blocks
+            self.moves.orphans.setdefault(id(seq), []).extend(blocks)
             return []
         return blocks
 

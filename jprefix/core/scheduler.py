@@ -41,9 +41,7 @@ class Scheduler:
         `speculator`: proposals for decode rows (`spec_decode`; None: no speculation)."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        self.config = config
-        self.block_manager = block_manager
-        self.prefix_pool = prefix_pool
+        self.config, self.block_manager, self.prefix_pool = config, block_manager, prefix_pool
         self.block_size = block_manager.block_size
         self.sliding_window, self.speculator = sliding_window, speculator
         self.waiting = make_policy(config.policy, prefix_pool)
@@ -61,10 +59,9 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Finishes a request with reason 'abort' and frees its blocks; False if unknown."""
         seq = self.running.get(request_id) or self.waiting.remove(request_id)
-        if seq is None:
-            return False
-        self.finish(seq, "abort")
-        return True
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq is not None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence (the engine calls this on a stop string) and frees its blocks."""
@@ -190,10 +187,13 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Matches the prefix cache and sizes the first chunk; 0 (no blocks held) if it
-        cannot start this step; -1 (blocks held) when its host-tier blocks start copying back."""
+        cannot start this step; -1 (blocks held) if it waits for its host-tier copies."""
+        loading = False  # host-tier blocks copy back (in-stream: before this step)
         if self.config.enable_prefix_caching and not seq.block_table:
             self._match(seq)
-            if self.prefix_pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)):
+            pool = self.prefix_pool
+            loading = pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)) > 0
+            if loading and not pool.loads_land_in_step():
                 return -1
         if self.sliding_window is not None and seq.num_computed_tokens:  # (idempotent)
             self.release_window(seq, seq.num_computed_tokens, self.sliding_window,
@@ -202,8 +202,9 @@ class Scheduler:
         chunk = self._can_chunk(seq)
         n = self._tokens_that_fit(seq, min(remaining, budget) if chunk else remaining)
         if n == 0 or n > budget or (n < remaining and not chunk):
-            self.block_manager.free(seq.reset_blocks())
-            return 0
+            if not loading:  # (else its copies go ahead: it starts once it fits)
+                self.block_manager.free(seq.reset_blocks())
+            return -1 if loading else 0
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             if self.config.enable_prefix_caching:
@@ -271,7 +272,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         del self.running[seq.request_id]
-        self.block_manager.free(seq.reset_blocks())
+        self.block_manager.free(self.prefix_pool.release_finished(seq, seq.reset_blocks()))
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.waiting.prepend(seq)

@@ -40,6 +40,7 @@ class KVTier:
                              f"{KVOffloader.block_bytes_of(runner)} bytes)")
         self.offloader = KVOffloader(runner, num_slots)
         self.pool = HostPool(num_slots, block_size)
+        self.pool.loads_in_step = self.offloader.in_stream
         self._staged: deque = deque()  # loads in flight, oldest first: (blocks, future)
         self._pool: PrefixPool | None = None
 
@@ -55,11 +56,15 @@ class KVTier:
         return cls(runner, slots, block_size)
 
     def before_step(self, pool: PrefixPool) -> Any:
-        """Queues the step's saves (before the step runs) and stages its loads (their host
-        copies start on the loader thread)."""
+        """Queues the step's saves (before the step runs) and its loads: in-stream, before
+        the step too (their batch lands at once), else staged (their host copies start on
+        the loader thread)."""
         self._pool = pool
         saves, loads = pool.take_moves()
-        return self.offloader.move(saves, loads)
+        staged = self.offloader.move(saves, loads)
+        if loads and staged is None:
+            pool.land_oldest()
+        return staged
 
     def after_step(self, staged: Any, idle: bool = False) -> None:
         """Queues after the step the scatters of the staged loads whose host copies are

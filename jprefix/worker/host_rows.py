@@ -54,16 +54,18 @@ def pinned_works(sharding: Any, device_sharding: Any) -> bool:
 
 class HostRows:
     """`num_rows` rows of `row_shape`/`dtype`; `pinned` is the pinned-host sharding to
-    allocate chunks with, or None for NumPy chunks. Thread-safe for disjoint rows."""
+    allocate chunks with, or None for NumPy chunks; chunks of `per_chunk` rows, or of as
+    many as `chunk_bytes` holds. Thread-safe for disjoint rows."""
 
     def __init__(self, num_rows: int, row_shape: tuple[int, ...], dtype: Any,
-                 pinned: Any = None, chunk_bytes: int = 1 << 30):
+                 pinned: Any = None, chunk_bytes: int = 1 << 30, per_chunk: int | None = None):
         self.row_shape, self.dtype, self.pinned = tuple(row_shape), np.dtype(dtype), pinned
         row_bytes = max(1, int(np.prod(self.row_shape)) * self.dtype.itemsize)
-        self.per_chunk = max(1, min(num_rows, chunk_bytes // row_bytes))
+        self.per_chunk = max(1, min(num_rows, per_chunk or chunk_bytes // row_bytes))
         self.num_rows = num_rows
         self._chunks: list[np.ndarray | None] = [None] * -(-num_rows // self.per_chunk)
-        self._keep: list[jax.Array] = []  # the pinned arrays behind the views
+        self._arrays: list[jax.Array | None] = [None] * len(self._chunks)  # (pinned: the
+        # arrays behind the views, which a device program may read rows from)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -85,10 +87,19 @@ class HostRows:
                     if self.pinned is None:
                         chunk = np.zeros(shape, self.dtype)
                     else:
-                        arr, chunk = pinned_array(shape, self.dtype, self.pinned)
-                        self._keep.append(arr)
+                        self._arrays[c], chunk = pinned_array(shape, self.dtype, self.pinned)
                     self._chunks[c] = chunk
         return chunk
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    def chunk_array(self, c: int) -> jax.Array:
+        """The pinned array of chunk c (allocated if new; pinned storage only): a device
+        program reads its rows straight from pinned memory."""
+        self._chunk(c)
+        return self._arrays[c]
 
     def _row(self, slot: int) -> np.ndarray:
         return self._chunk(slot // self.per_chunk)[slot % self.per_chunk]

@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                                              on_dev) for i in range(n)])
 
         def take_loop(c, idx, n=n):
-            def body(i, out):
+            def body(i, acc):
                 r = jax.device_put(lax.dynamic_slice_in_dim(c, idx[i], 1), on_dev)
-                return lax.dynamic_update_slice_in_dim(out, r, i, 0)
+                return lax.dynamic_update_slice_in_dim(acc, r, i, 0)
             return lax.fori_loop(0, n, body, jnp.zeros((n, *c.shape[1:]), c.dtype,
                                                          device=on_dev))
 
