@@ -9,8 +9,10 @@ their copies start with the step (`take_moves`: one batch a step) and land after
 later step, in order (`land_oldest`: the worker found the batch's host copy done and
 queued its scatter after that step), so the sequence waits in the scheduler meanwhile
 (`Scheduler._admit` returns -1 while `is_loading`) and the blocks join the trie at the
-next schedule (`finish_loads`). A sequence aborted in flight keeps its blocks out of the
-free list until its batch lands (the scatter would write into their next owner). The
+next schedule (`finish_loads`). With in-stream loads (`loads_land_in_step`: the worker
+copies a step's loads before the step) the batch lands at once and the sequence runs in
+that step. A sequence aborted or preempted in flight keeps its blocks out of the free
+list until its batch lands (the scatter would write into their next owner). The
 copied-back tokens count as cached and as host hits.
 """
 
