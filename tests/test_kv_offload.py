@@ -190,6 +190,27 @@ def test_in_stream_loads_copy_rows_from_the_pinned_chunks_bitwise(max_rows, monk
     assert off.stats.bytes_to_device == 27 * off.block_bytes
 
 
+def test_loads_are_staged_where_the_in_stream_check_fails(monkeypatch):
+    """The construction check passes here (pinned host memory on the CPU); where it fails
+    (a backend that cannot run the program) the offloader stages its loads instead, and
+    a load still lands its block bitwise."""
+    import jax.numpy as jnp
+
+    from jprefix.worker import host_loads, offload
+
+    cache = _cache(False)
+    runner = StubRunner(tuple(jnp.asarray(c) for c in cache))
+    assert KVOffloader(runner, 4).in_stream
+    monkeypatch.setattr(host_loads, "_load_rows", lambda *a, **k: 1 / 0)
+    off = offload.KVOffloader(runner, 4)
+    assert off.pinned and not off.in_stream
+    off.move([(3, 0)], [])
+    off.flush()
+    off.after_step(off.move([], [(0, 5)]))
+    for c, b in zip(runner.kv_cache, cache, strict=True):
+        assert np.asarray(c)[:, :, 5].tobytes() == b[:, :, 3].tobytes()
+
+
 @pytest.mark.parametrize("threads", [1, 16])
 def test_host_rows_copies_split_over_threads_are_exact(threads, monkeypatch):
     """HostRows' writes and reads of 1, 3 and 9 rows spread over `threads` (fewer rows

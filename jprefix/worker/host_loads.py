@@ -87,6 +87,22 @@ def _load_rows(cache: KVCache, chunks: tuple[jax.Array, ...], rows: jax.Array,
     return tuple(out)
 
 
+def in_stream_works(host_sharding: Any, device_sharding: Any) -> bool:
+    """Whether a program copies rows out of a pinned array here as `_load_rows` does (a
+    construction check, as `pinned_works`; else loads are staged)."""
+    try:
+        chunk, view = pinned_array((4, 1, 1, 2, 4), np.float32, host_sharding)
+        view[...] = np.arange(32, dtype=np.float32).reshape(view.shape) + 1
+        cache = (jax.device_put(np.zeros((1, 1, 3, 2, 4), np.float32), device_sharding),)
+        (out,) = jax.jit(partial(_load_rows, moved=(device_sharding,)))(
+            cache, (chunk,), np.array([2, 0], np.int32), np.array([1, 3], np.int32))
+        want = np.zeros((1, 1, 3, 2, 4), np.float32)
+        want[:, :, 1] = view[2]
+        return bool(np.array_equal(np.asarray(out), want))
+    except Exception:  # noqa: BLE001 (any failure means: stage the loads)
+        return False
+
+
 class InStreamLoads:
     """In-stream loads of `off`'s pinned pool (module docstring)."""
 

@@ -81,7 +81,8 @@ class KVOffloader:
         self.host = tuple(HostRows(num_slots, s, c.dtype, pinned, per_chunk=max(1, per_chunk))
                           for s, c in zip(shapes, cache, strict=True))  # (chunks alike)
         self.block_bytes = sum(int(np.prod(h.row_shape)) * h.dtype.itemsize for h in self.host)
-        self.in_stream = self.pinned and host_loads.IN_STREAM_LOADS  # (else staged)
+        self.in_stream = (self.pinned and host_loads.IN_STREAM_LOADS and host_loads.
+                          in_stream_works(self.host_shardings[0], self.device_shardings[0]))
         self._in_stream, self._staged = InStreamLoads(self), StagedLoads(self)
         # saves being written into the host pool: (their slots, the writer's future)
         self._writes: deque[tuple[set[int], concurrent.futures.Future]] = deque()
