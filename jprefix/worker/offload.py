@@ -162,7 +162,7 @@ class KVOffloader:
     def compile_moves(self, max_blocks: int) -> None:
         """Compiles the gather and the loads (of the way in use) for every padded size up
         to `max_blocks` (queued on the launch thread; they write no block's contents), so
-        that a measured run or a server's first requests do not pay for them mid-step."""
+        that a measured run does not pay for them mid-step."""
         for n in (1 << i for i in range(padded(max(1, max_blocks)).bit_length())):
             (self._in_stream if self.in_stream else self._staged).compile(n)
 
