@@ -166,50 +166,51 @@ def test_evicted_prefix_comes_back_from_the_host_and_counts_as_host_hits():
                                                       again.sampling_params)
 
 
-@pytest.mark.parametrize("budget, together", [(64, 2), (16, 1)])
-def test_waiting_sequences_start_their_host_copies_in_one_step(budget, together):
-    """Two waiting histories on the host: both copies start in the first step when the
-    token budget covers them (one per step when it covers one), neither runs until its
-    copy is done, and the outputs equal the reference."""
+def _two_back_from_the_host(budget: int, in_step: bool):
+    """A scheduler whose 4 histories (4 blocks each) went through a 12-block pool into
+    the host tier, and two of them asked again (added, not yet scheduled)."""
     sched, runner = make(num_blocks=13, block_size=4, host_slots=32,
                          max_num_batched_tokens=budget)
-    hist = [list(range(1 + 20 * i, 17 + 20 * i)) for i in range(4)]  # 4 blocks each
+    sched.prefix_pool.host.loads_in_step = in_step
+    hist = [list(range(1 + 20 * i, 17 + 20 * i)) for i in range(4)]
     _run_all(sched, runner, [seq(f"h{i}", h + [90], 2) for i, h in enumerate(hist)])
     again = [seq("a", hist[0] + [91], 3), seq("b", hist[1] + [92], 3)]
     for s in again:
         sched.add(s)
-    out, _ = step(sched, runner)
-    started = [s for s in again if s.block_table and s.request_id not in sched.running]
-    assert len(started) == together and not out.scheduled
-    assert [s.request_id for s in sched.waiting][:together] == ["a", "b"][:together]
+    return sched, runner, again
+
+
+def _finish_with_host_hits(sched, runner, again) -> None:
+    """Runs to the end: both came back whole from the host and equal the reference."""
     while sched.has_unfinished():
         step(sched, runner)
     for s in again:
         assert s.num_cached_tokens == 16
         assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)
     assert sched.prefix_pool.num_host_hit_tokens == 32
+
+
+@pytest.mark.parametrize("budget, together", [(64, 2), (16, 1)])
+def test_waiting_sequences_start_their_host_copies_in_one_step(budget, together):
+    """Two waiting histories on the host: both copies start in the first step when the
+    token budget covers them (one per step when it covers one), neither runs until its
+    copy is done, and the outputs equal the reference."""
+    sched, runner, again = _two_back_from_the_host(budget, in_step=False)
+    out, _ = step(sched, runner)
+    started = [s for s in again if s.block_table and s.request_id not in sched.running]
+    assert len(started) == together and not out.scheduled
+    assert [s.request_id for s in sched.waiting][:together] == ["a", "b"][:together]
+    _finish_with_host_hits(sched, runner, again)
 
 
 def test_in_stream_copies_run_their_sequences_in_the_same_step():
     """With loads copied before the step (in-stream), two waiting histories on the host
     run in the step that copies them back: each row starts after its 16 host-hit tokens,
     none waits a step, the outputs equal the reference and every block is freed."""
-    sched, runner = make(num_blocks=13, block_size=4, host_slots=32,
-                         max_num_batched_tokens=64)
-    sched.prefix_pool.host.loads_in_step = True
-    hist = [list(range(1 + 20 * i, 17 + 20 * i)) for i in range(4)]  # 4 blocks each
-    _run_all(sched, runner, [seq(f"h{i}", h + [90], 2) for i, h in enumerate(hist)])
-    again = [seq("a", hist[0] + [91], 3), seq("b", hist[1] + [92], 3)]
-    for s in again:
-        sched.add(s)
+    sched, runner, again = _two_back_from_the_host(64, in_step=True)
     out, _ = step(sched, runner)
     assert {(sc.seq.request_id, sc.start) for sc in out.scheduled} == {("a", 16), ("b", 16)}
-    while sched.has_unfinished():
-        step(sched, runner)
-    for s in again:
-        assert s.num_cached_tokens == 16
-        assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)
-    assert sched.prefix_pool.num_host_hit_tokens == 32
+    _finish_with_host_hits(sched, runner, again)
     bm = sched.block_manager
     assert all(bm.ref_count(x) == 0 for x in range(bm.num_blocks))
 

@@ -110,13 +110,25 @@ def test_blocks_saved_and_brought_back_are_bitwise_equal(fp8, pinned, monkeypatc
     assert off.stats.bytes_to_host == off.stats.bytes_to_device == 3 * off.block_bytes
 
 
+def _fp8_runner(seed: int):
+    """A stub runner over a random fp8 cache of 40 blocks (K, V and their scales), and a
+    copy of its arrays."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    fp8 = np.dtype("float8_e4m3fn")
+    k, v = (quantize_rows(rng.standard_normal((2, 2, 40, 4, 8)).astype(np.float32), fp8)
+            for _ in range(2))
+    runner = StubRunner(tuple(jnp.asarray(c) for c in (k[0], v[0], k[1], v[1])))
+    return runner, [np.asarray(c).copy() for c in runner.kv_cache]
+
+
 @pytest.mark.parametrize("pinned", [True, False])
 def test_a_load_in_pieces_brings_blocks_back_bitwise_equal(pinned, monkeypatch):
     """Loads of 16 blocks and of 11 (padded to 16) in LOAD_PIECES = 4 pieces of 4, the
     second reusing each piece's staging, into an fp8 cache (scales of another row shape):
     every loaded block equals its saved block bitwise, and no other block but the null
     block (the padding's target) changes; compile_moves' piece scatter moves nothing."""
-    import jax.numpy as jnp
 
     from jprefix.worker import host_loads, offload
 
@@ -124,12 +136,7 @@ def test_a_load_in_pieces_brings_blocks_back_bitwise_equal(pinned, monkeypatch):
         monkeypatch.setattr(offload, "pinned_works", lambda *a: False)
     monkeypatch.setattr(host_loads, "LOAD_PIECES", 4)
     monkeypatch.setattr(host_loads, "IN_STREAM_LOADS", False)
-    rng = np.random.default_rng(1)
-    fp8 = np.dtype("float8_e4m3fn")
-    k, v = (quantize_rows(rng.standard_normal((2, 2, 40, 4, 8)).astype(np.float32), fp8)
-            for _ in range(2))
-    runner = StubRunner(tuple(jnp.asarray(c) for c in (k[0], v[0], k[1], v[1])))
-    before = [np.asarray(c).copy() for c in runner.kv_cache]
+    runner, before = _fp8_runner(1)
     off = KVOffloader(runner, 16)
     assert off.pinned == pinned
     off.compile_moves(16)
@@ -159,19 +166,13 @@ def test_in_stream_loads_copy_rows_from_the_pinned_chunks_bitwise(max_rows, monk
     loaded block equals its saved block bitwise and no other block changes, the null
     block included (padding writes past the cache's end); compile_moves moves nothing;
     a load of a slot whose save is still queued (no flush) reads the saved bytes."""
-    import jax.numpy as jnp
 
     from jprefix.worker import host_loads, offload
 
     monkeypatch.setattr(host_loads, "IN_STREAM_ROWS", max_rows)
     row_bytes = 2 * 2 * 4 * 8  # one fp8 K row; the scales' rows are smaller
     monkeypatch.setattr(offload, "CHUNK_BYTES", 3 * row_bytes)
-    rng = np.random.default_rng(3)
-    fp8 = np.dtype("float8_e4m3fn")
-    k, v = (quantize_rows(rng.standard_normal((2, 2, 40, 4, 8)).astype(np.float32), fp8)
-            for _ in range(2))
-    runner = StubRunner(tuple(jnp.asarray(c) for c in (k[0], v[0], k[1], v[1])))
-    before = [np.asarray(c).copy() for c in runner.kv_cache]
+    runner, before = _fp8_runner(3)
     off = KVOffloader(runner, 16)
     assert off.in_stream and off.host[0].per_chunk == 3
     off.compile_moves(16)
