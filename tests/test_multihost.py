@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 10  # jax.distributed's join and heartbeat timeout in these runs
+TIMEOUT_S = 20  # jax.distributed's join and heartbeat timeout when a process is killed
+# ... and when none is: three processes compiling on a 2-core CI machine can starve a
+# heartbeat for longer than TIMEOUT_S, which the coordination service takes for a crash
+HEALTHY_TIMEOUT_S = 120
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -67,12 +70,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(mode: str, pid: int, port: int, out: Path) -> subprocess.Popen:
+def _start(mode: str, pid: int, port: int, out: Path, timeout_s: int = TIMEOUT_S
+           ) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(pid), str(port),
-                             str(out), str(TIMEOUT_S)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             str(out), str(timeout_s)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -96,7 +100,8 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 def test_two_processes_tp4_match_one_process_tp1(tmp_path):
     port = _free_port()
-    procs = [_start("multi", pid, port, tmp_path / f"multi{pid}.json") for pid in (0, 1)]
+    procs = [_start("multi", pid, port, tmp_path / f"multi{pid}.json", HEALTHY_TIMEOUT_S)
+             for pid in (0, 1)]
     single = _start("single", 0, port, tmp_path / "single.json")
     try:
         for name, proc in (("process 0", procs[0]), ("process 1", procs[1]),
