@@ -38,10 +38,12 @@ async def _client(api: "openai.AsyncOpenAI", i: int) -> tuple[str, int]:
     async for chunk in stream:
         chunks += 1
         if i % 4 == 3 and chunks == 2:
-            await stream.close()  # the client goes away mid-generation
-            return "left", chunks
+            reason = "left"
+            break  # the stream is closed below, once its iterator is no longer running
         if chunk.choices and chunk.choices[0].finish_reason:
             reason = chunk.choices[0].finish_reason
+    if reason == "left":
+        await stream.close()  # the client goes away mid-generation
     return reason, chunks
 
 
