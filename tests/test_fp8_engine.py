@@ -3,6 +3,9 @@ prefix cache on and off, in explicit and automatic prefix modes, with cascade de
 and equal to a dense reference whose attention reads each K/V row through the same
 per-row fp8 round trip; the flags' validation; block counts that know the format."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,18 +29,28 @@ def sharp(sharp_tiny):
 
 def dense_fp8_generate(params, cfg, prompt, max_tokens, fp8):
     """Greedy decoding by whole-sequence recompute; attention sees every K/V row as its
-    per-row fp8 round trip (what the paged fp8 cache stores and the kernels read)."""
+    per-row fp8 round trip (what the paged fp8 cache stores and the kernels read). The
+    sequence is padded to a multiple of 64 so that one compiled program serves every
+    length: causal attention keeps the padding out of every real row."""
+    ids = list(prompt)
+    padded = np.zeros(-(-(len(ids) + max_tokens) // 64) * 64, np.int32)
+    for _ in range(max_tokens):
+        padded[:len(ids)] = ids
+        ids.append(int(_fp8_next_token(params, cfg, jnp.asarray(padded), len(ids), fp8)))
+    return ids[len(prompt):]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "fp8"))
+def _fp8_next_token(params, cfg, ids, n, fp8):
+    """ids [L] (the first `n` real) -> the greedy token after ids[n - 1]."""
     def attn(q, k, v, pos, layer):  # (the "cache" slot carries the positions)
         k = dequantize_rows(*quantize_rows(k, fp8), dtype=k.dtype)
         v = dequantize_rows(*quantize_rows(v, fp8), dtype=v.dtype)
         return causal_attention(q[None], k[None], v[None], pos, pos)[0], pos
 
-    ids = list(prompt)
-    for _ in range(max_tokens):
-        pos = jnp.arange(len(ids), dtype=jnp.int32)
-        hidden, _ = forward(params, cfg, jnp.asarray(ids, jnp.int32), pos, pos, attn)
-        ids.append(int(jnp.argmax(compute_logits(params, cfg, hidden[-1]))))
-    return ids[len(prompt):]
+    pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    hidden, _ = forward(params, cfg, ids, pos, pos, attn)
+    return jnp.argmax(compute_logits(params, cfg, hidden[n - 1]))
 
 
 def _prompts(vocab, rng):
