@@ -67,10 +67,10 @@ def make_case(rng, seqs: int, prefix: int, own: int, heads=(32, 32), d=128,
     return plain, cascade, scales
 
 
-def parts(casc, scale, interpret=False, scales=None):
+def parts(casc, scale, interpret=False, scales=None, **timing):
     """The cascade's two kernel calls alone: (suffix seconds, shared-prefix seconds).
     (The arrays go in as arguments: a jit closing over them would bake them in; the fp8
-    `scales` go in as the jitted ops' keyword arguments.)"""
+    `scales` go in as the jitted ops' keyword arguments; `timing`: `measure`'s reps.)"""
     q, kc, vc, layer, ptab, plen, pcu, stab, slen, cu = casc
     attn = functools.partial(paged_attention, scale=scale, return_lse=True,
                              interpret=interpret, **(scales or {}))
@@ -78,10 +78,10 @@ def parts(casc, scale, interpret=False, scales=None):
     # group: no work)
     suffix_bs = default_suffix_block_sizes(kc, 1)
     suffix = measure(functools.partial(attn, max_q_len=1, block_sizes=suffix_bs),
-                     q, kc, vc, layer, stab, slen, cu)
+                     q, kc, vc, layer, stab, slen, cu, **timing)
     prefix = measure(functools.partial(attn, causal=False,
                                        block_sizes=resolve_prefix_block_sizes(q, kc)),
-                     q, kc, vc, layer, ptab, plen, pcu)
+                     q, kc, vc, layer, ptab, plen, pcu, **timing)
     return suffix["seconds"], prefix["seconds"]
 
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.seqs, args.prefix, args.own = [4], [32], 8
     rng = np.random.default_rng(0)
     scale = 1 / math.sqrt(d)
+    timing = dict(reps=2, inner=1) if args.smoke else {}  # (interpret mode is slow)
     rows = []
     for prefix in args.prefix:
         for seqs in args.seqs:
@@ -111,9 +112,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             casc_fn = functools.partial(cascade_attention, scale=scale, max_q_len=1,
                                         interpret=args.smoke, **scales)
             out_p, out_c = plain_fn(*plain), casc_fn(*casc)
-            m_p, m_c = measure(plain_fn, *plain), measure(casc_fn, *casc)
+            m_p, m_c = measure(plain_fn, *plain, **timing), measure(casc_fn, *casc, **timing)
             t_p, t_c = m_p["seconds"], m_c["seconds"]
-            t_suffix, t_prefix = parts(casc, scale, args.smoke, scales)
+            t_suffix, t_prefix = parts(casc, scale, args.smoke, scales, **timing)
             row_bytes = d * 2 if not scales else d + 4  # (an fp8 row and its scale)
             kv_bytes = 2 * seqs * (prefix + args.own) * heads[1] * row_bytes
             rows.append(dict(seqs=seqs, prefix=prefix, own=args.own, plain_ms=t_p * 1e3,

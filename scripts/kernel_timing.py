@@ -93,13 +93,14 @@ def device_times(fn: Callable, *args, reps: int = 20) -> dict | None:
                 kernels=dict(sorted(per_name.items(), key=lambda kv: -kv[1])))
 
 
-def measure(fn: Callable, *args) -> dict:
+def measure(fn: Callable, *args, reps: int = 15, inner: int = 5) -> dict:
     """`seconds`: device time per call (its kernels' busy time from a profiler trace of
     back-to-back calls: what the op costs inside a jitted engine step, with no per-call
     host dispatch) where the backend reports kernels, else wall time; `wall_seconds`:
-    back-to-back calls timed on the host (`timeit`)."""
-    wall = timeit(fn, *args)
-    dev = device_times(fn, *args, reps=10)
+    back-to-back calls timed on the host (`timeit`, `reps` x `inner` calls; a smoke run
+    in interpret mode passes fewer)."""
+    wall = timeit(fn, *args, reps=reps, inner=inner)
+    dev = device_times(fn, *args, reps=min(10, reps))
     if dev is None:
         return {"seconds": wall, "wall_seconds": wall, "time_source": "wall"}
     # busy time leaves out the gaps between an op's own kernels (a cascade call has more
