@@ -48,7 +48,7 @@
 #             with the host tier unused vs off                                  ~4 min
 #   tier_loads  the host tier's load tests on the GPU (in-stream and staged), then
 #             bench_offload.py on Llama-3-8B: in-stream vs staged loads vs a pinned
-#             device_put of the same bytes                                      ~3 min
+#             device_put of the same bytes                                      ~5 min
 #   models    issue 37's models (MODELS="qwen3-8b gemma-3-12b qwen3-30b-a3b"; add
 #             mixtral-8x7b on an H200): the seed workload with the cache off too, then
 #             ShareGPT 1,000 prompts (needs carry ["bench_data"])     ~4 min a model
@@ -264,7 +264,8 @@ job_tier() {
   run tier_unused 120 "${t[@]}" --kv-offloading-size 16 --output-json "$OUT/tier_unused.json"
 }
 job_tier_loads() {
-  run tier_tests 150 python3 -m pytest -q -rf tests/test_kv_offload.py tests/test_host_rows.py
+  run tier_tests 300 python3 -m pytest -q -rf tests/test_kv_offload.py tests/test_host_rows.py \
+    -k "not benchmark_scripts"
   run offload_llama3 150 python3 scripts/bench_offload.py --model llama-3-8b \
     --load-format dummy --dtype bfloat16 --prefix-len 2000 --kv-offloading-size 8 \
     --repeats 9 --load-pieces 1 2 --json "$OUT/offload_llama3_8b.json"

@@ -1,7 +1,8 @@
 """Tensor parallelism on 4 virtual CPU devices: greedy tokens at TP 2 and 4 equal the
-dense reference (as TP 1's do in every engine test), on both layer layouts (stacked under lax.scan; unrolled with
-Q/K/V and gate/up fused), with cascade and mixed steps; tiny-llama3's 2 kv heads are
-replicated at TP 4 (one per shard); TP sizes that cannot split the heads raise.
+dense reference (as TP 1's do in every engine test), on both layer layouts (stacked under
+lax.scan; unrolled with Q/K/V and gate/up fused), with cascade and mixed steps;
+tiny-llama3's 2 kv heads are replicated at TP 4 (one per shard); TP sizes that cannot
+split the heads raise.
 
 Runs in a subprocess because the CPU device count is fixed when jax starts: once per
 backend, each of its assertions a test of its own here, by name
