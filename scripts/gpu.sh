@@ -74,7 +74,7 @@ quiet() { grep -v "^WARNING\|rematerialization\|^W0000\|^I0000\|^W1\|^I1\|^E1\|^
 # run NAME DEFAULT_SECONDS CMD...: CMD's output to $OUT/NAME.log, its exit code and tail
 # here; returns CMD's exit code
 run() {
-  local name=$1 limit=$2 var="T_$1"; shift 2
+  local name=$1 limit=$2 var="T_${1//[^A-Za-z0-9_]/_}"; shift 2
   echo "== $name ($(date +%T))"
   timeout "${!var:-$limit}" "$@" 2>&1 | quiet > "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
