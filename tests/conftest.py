@@ -8,13 +8,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from compile_options import CPU_XLA_FLAGS
 
 # A test (setup, call and teardown) that runs longer than this is taken for a hang: every
 # thread's stack is written to the terminal's stderr and the run ends with exit status 1,
 # so a deadlock fails CI at once with its stacks instead of running out the CI's clock.
-# The slowest test takes about 70 s on 2 CPU cores.
+# The slowest test takes about 140 s on 2 CPU cores (test_fp8_accuracy's fixture).
 TEST_TIMEOUT_S = float(os.environ.get("JPREFIX_TEST_TIMEOUT_S", "900"))
 _stderr_fd: int | None = None
+
+# On a machine without a GPU the suite compiles with LLVM's optimisations off
+# (compile_options.py says why); subprocess tests inherit them through
+# `subprocess_checks.device_env`. A GPU's kernels keep XLA's level.
+if not os.path.exists("/dev/nvidiactl") and "xla_backend_optimization_level" not in (
+        os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 
 
 def pytest_configure(config):

@@ -89,9 +89,11 @@ class CheckRun:
 
 
 def device_env(num_devices: int) -> dict[str, str]:
-    """A CPU jax with `num_devices` virtual devices, importing this checkout."""
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
-                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    """A CPU jax with `num_devices` virtual devices, importing this checkout (and the
+    suite's own XLA_FLAGS, conftest.py's)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = f"{flags} --xla_force_host_platform_device_count={num_devices}"
+    return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 
 def run_checks(code: str, args: list[str], env: dict[str, str], timeout: float) -> CheckRun:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_options import FULL_OPT
 
 import jprefix
 from models.layout import quantize_linears
@@ -59,8 +60,11 @@ def round_trip_logits(params, cfg, tokens, fp8):
             v = dequantize_rows(*quantize_rows(v, fp8), dtype=v.dtype)
         return causal_attention(q, k, v, pos, pos), cache
 
-    hidden, _ = jax.jit(lambda p, t: forward(p, cfg, t[None], pos, None, attn))(params, tokens)
-    return np.asarray(compute_logits(params, cfg, hidden[0]))
+    def logits(p, t):
+        hidden, _ = forward(p, cfg, t[None], pos, None, attn)
+        return compute_logits(p, cfg, hidden[0])
+
+    return np.asarray(jax.jit(logits, compiler_options=FULL_OPT)(params, tokens))
 
 
 def scores(logits, base, targets):
@@ -77,7 +81,8 @@ def results(smollm2):
     model, ids = smollm2
     cfg, params = model.config, model.params
     tokens, targets = jnp.asarray(ids[:-1]), ids[1:]
-    base = np.asarray(dense_forward(params, cfg, tokens[None])[0])
+    base = np.asarray(jax.jit(lambda p, t: dense_forward(p, cfg, t[None])[0],
+                              compiler_options=FULL_OPT)(params, tokens))
     fp8w = quantize_linears(params)
     out = {
         "kv_e4m3": round_trip_logits(params, cfg, tokens, FP8_NAMES["fp8"]),
@@ -128,7 +133,7 @@ def test_paged_fp8_cache_matches_the_round_trip(smollm2):
              jnp.ones(shape[:-1], jnp.float32))
     table = jnp.arange(1, shape[2], dtype=jnp.int32)[None]
 
-    @functools.partial(jax.jit, static_argnums=2)
+    @functools.partial(jax.jit, static_argnums=2, compiler_options=FULL_OPT)
     def chunk(cache, toks, start):
         pos = start + jnp.arange(toks.shape[0], dtype=jnp.int32)
 

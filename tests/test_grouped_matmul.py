@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from subprocess_checks import device_env
 from test_qwen3 import greedy
 
 import jprefix
@@ -207,8 +207,7 @@ print("ok")
 def test_kernel_runs_per_shard_under_tensor_parallelism():
     """2 virtual devices, each expert's F split: the kernel's partial sums (separate and
     per-shard fused [gate_s | up_s] weights) == one device's ragged_dot experts."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = device_env(2)
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from subprocess_checks import device_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
@@ -47,8 +49,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_host_tier_under_tensor_and_data_parallelism():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=str(ROOT))
+    env = device_env(2)
+    if "JAX_PLATFORMS" not in os.environ:  # (on a GPU machine the tier runs on the GPU)
+        del env["JAX_PLATFORMS"]
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,7 +8,6 @@ splitting each expert's F) equal one device's."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from subprocess_checks import device_env
 from test_qwen3 import (
     BS,
     check_engine_modes,
@@ -256,8 +256,7 @@ TP_SCRIPT = textwrap.dedent("""
 
 def test_two_device_tensor_parallel_matches_one_device_and_dense():
     """Qwen3-MoE (Mixtral's experts run the same code)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = device_env(2)
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT, "tiny-qwen3-moe"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

@@ -8,7 +8,6 @@ when jax starts), each bounded by a timeout.
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from subprocess_checks import device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 20  # jax.distributed's join and heartbeat timeout when a process is killed
@@ -72,8 +72,7 @@ def _free_port() -> int:
 
 def _start(mode: str, pid: int, port: int, out: Path, timeout_s: int = TIMEOUT_S
            ) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = device_env(2)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(pid), str(port),
                              str(out), str(timeout_s)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -154,8 +153,7 @@ def test_a_process_that_cannot_join_raises_naming_the_coordinator(tmp_path):
         except RuntimeError as e:
             print("REFUSED", e)
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = device_env(2)
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert f"REFUSED process 1 of 2 could not join the run at coordinator 127.0.0.1:{port} " \
