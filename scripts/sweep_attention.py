@@ -191,7 +191,7 @@ def sweep(name, case_kw, fixed, knobs, kv_bytes, smoke, reps, profile=False, fp8
             out = out[0] if isinstance(out, tuple) else out
             err = rel_err(out, ref_o)
             t = timeit(fn, case, reps=3 if smoke else reps) if err < 2e-2 else None
-            dev = device_times(fn, case) if t and profile else None
+            dev = device_times(fn, case, reps=2 if smoke else 20) if t and profile else None
         except Exception as e:  # a config Triton cannot compile
             print(f"  {label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             err, t, dev = None, None, None
