@@ -88,12 +88,14 @@ class CheckRun:
     output: str
 
 
-def device_env(num_devices: int) -> dict[str, str]:
-    """A CPU jax with `num_devices` virtual devices, importing this checkout (and the
-    suite's own XLA_FLAGS, conftest.py's)."""
+def device_env(num_devices: int, cpu: bool = True) -> dict[str, str]:
+    """A jax with `num_devices` virtual CPU devices, importing this checkout (and the
+    suite's own XLA_FLAGS, conftest.py's); on the CPU platform, or (`cpu` False) on the
+    platform the caller's environment picks."""
     flags = os.environ.get("XLA_FLAGS", "")
     flags = f"{flags} --xla_force_host_platform_device_count={num_devices}"
-    return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
+    return env | {"JAX_PLATFORMS": "cpu"} if cpu else env
 
 
 def run_checks(code: str, args: list[str], env: dict[str, str], timeout: float) -> CheckRun:

@@ -5,7 +5,6 @@ replica, the same tokens, and the router counts a prefix held only in a replica'
 tier as that replica's."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -49,9 +48,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_host_tier_under_tensor_and_data_parallelism():
-    env = device_env(2)
-    if "JAX_PLATFORMS" not in os.environ:  # (on a GPU machine the tier runs on the GPU)
-        del env["JAX_PLATFORMS"]
+    env = device_env(2, cpu=False)  # (on a GPU machine the tier runs on the GPU)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
