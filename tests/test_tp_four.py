@@ -1,5 +1,5 @@
-"""Tensor parallelism on 4 virtual CPU devices: greedy tokens at TP 2 and 4 equal the
-dense reference (as TP 1's do in every engine test), on both layer layouts (stacked under
+"""Tensor parallelism on 4 virtual CPU devices: greedy tokens at TP 4 equal the dense
+reference (as TP 1's and 2's do in the other engine tests), on both layer layouts (stacked under
 lax.scan; unrolled with Q/K/V and gate/up fused), with cascade and mixed steps;
 tiny-llama3's 2 kv heads are replicated at TP 4 (one per shard); TP sizes that cannot
 split the heads raise.
@@ -47,34 +47,33 @@ SCRIPT = textwrap.dedent("""
         ("skinny", w.shape[-1], k.get("act"))) or real_skinny(x, w, **k)
     f = cfg.intermediate_size
     for unroll in (False, True):
-        # (TP 1 equals the dense reference in every other engine test; interpret mode is
-        # slow: scan layers at TP 4 only)
-        for tp in (2, 4) if backend == "xla" or unroll else (4,):
-            calls.clear()
-            llm = LLM(model, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
-                      attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1,
-                      max_num_batched_tokens=24, unroll_layers=unroll)
-            llm.generate(prompts[:1], sp, prefix_pos=24, use_tqdm=False)  # caches the prefix
-            got = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
-                                                     use_tqdm=False)]
-            assert got == want, (unroll, tp, got, want)
-            seen = llm.engine.runner.shapes_seen
-            assert any(s[4] for s in seen), (tp, seen)  # cascade steps ran
-            assert any(s[5] for s in seen), (tp, seen)  # mixed steps ran
-            if backend == "pallas-interpret":  # the fast paths ran, per device under TP
-                # gate/up on each device's F / tp columns: fused [gate | up] or apart
-                gate_up = {(c[1], c[2]) for c in calls if c[0] == "skinny"}
-                assert ((2 * f // tp, "silu_mul") if unroll else (f // tp, None)) in gate_up, \
-                    (tp, calls)
-                rope = {c[1] for c in calls if c[0] == "rope"}
-                assert rope == ({cfg.num_heads // tp} if unroll else set()), (tp, rope)
-            else:
-                assert calls == [], calls
-            if tp == 4:  # each shard one kv head (kv head j // 2 of the model)
-                runner = llm.engine.runner
-                assert runner.cfg.num_kv_heads == 4
-                k = runner.kv_cache[0]
-                assert k.shape[1] == 4 and k.addressable_shards[0].data.shape[1] == 1
+        # (TP 1 and 2 equal the dense reference in the other engine tests,
+        # tests/test_tensor_parallel.py's on both layouts; TP 4 is where kv heads replicate)
+        tp = 4
+        calls.clear()
+        llm = LLM(model, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
+                  attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1,
+                  max_num_batched_tokens=24, unroll_layers=unroll)
+        llm.generate(prompts[:1], sp, prefix_pos=24, use_tqdm=False)  # caches the prefix
+        got = [o.token_ids for o in llm.generate(prompts, sp, prefix_pos=24,
+                                                 use_tqdm=False)]
+        assert got == want, (unroll, tp, got, want)
+        seen = llm.engine.runner.shapes_seen
+        assert any(s[4] for s in seen), (tp, seen)  # cascade steps ran
+        assert any(s[5] for s in seen), (tp, seen)  # mixed steps ran
+        if backend == "pallas-interpret":  # the fast paths ran, per device under TP
+            # gate/up on each device's F / tp columns: fused [gate | up] or apart
+            gate_up = {(c[1], c[2]) for c in calls if c[0] == "skinny"}
+            assert ((2 * f // tp, "silu_mul") if unroll else (f // tp, None)) in gate_up, \
+                (tp, calls)
+            rope = {c[1] for c in calls if c[0] == "rope"}
+            assert rope == ({cfg.num_heads // tp} if unroll else set()), (tp, rope)
+        else:
+            assert calls == [], calls
+        runner = llm.engine.runner  # each shard one kv head (kv head j // 2 of the model)
+        assert runner.cfg.num_kv_heads == 4
+        k = runner.kv_cache[0]
+        assert k.shape[1] == 4 and k.addressable_shards[0].data.shape[1] == 1
     for name, tp, why in (("tiny-llama3", 3, "does not divide the model's 4 query heads"),
                           ("tiny-smollm2", 3, "neither divides nor is a multiple")):
         try:
@@ -99,7 +98,7 @@ def four_device_run(backend: str) -> CheckRun:
 
 @pytest.mark.parametrize("check", check_names(SCRIPT))
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
-def test_four_device_tp_2_4_with_replicated_kv_heads_match_dense(backend, check):
+def test_four_device_tp_4_with_replicated_kv_heads_matches_dense(backend, check):
     assert_check(four_device_run(backend), check)
 
 
