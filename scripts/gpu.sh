@@ -51,7 +51,8 @@
 #             device_put of the same bytes                                      ~5 min
 #   models    issue 37's models (MODELS="qwen3-8b gemma-3-12b qwen3-30b-a3b"; add
 #             mixtral-8x7b on an H200): the seed workload with the cache off too, then
-#             ShareGPT 1,000 prompts (needs carry ["bench_data"])     ~4 min a model
+#             ShareGPT 1,000 prompts (needs carry ["bench_data"]); SEED=0 or SHAREGPT=0
+#             leaves one out                                          ~4 min a model
 #   multiturn bench_multiturn.py: Llama-3-8B chat at 4x oversubscription, tier off / on /
 #             an unbounded pool                                               ~5 min
 #   mgpu_prefill  the Mosaic GPU prefill attention: a one-case smoke test, then (if it
@@ -249,11 +250,12 @@ job_models() {  # issue 37: the seed workload with its cache-off peer, then Shar
   for m in ${MODELS:-qwen3-8b gemma-3-12b qwen3-30b-a3b}; do
     len=(); lim=240
     [ "$m" = gemma-3-12b ] && len=(--max-model-len 16384) && lim=480
-    run "seed_$m" "$lim" python3 scripts/bench_engine.py --model "$m" --output-len 128 \
-      --ttft-reps 0 --max-num-batched-tokens 2048 "${len[@]}" --output-json "$OUT/seed_$m.json"
-    [ -f bench_data/sharegpt_smollm2_1000.json ] && run "sharegpt_$m" 240 \
-      python3 scripts/bench_throughput.py --model "$m" --load-format dummy "${len[@]}" \
-      --dataset-name sharegpt --dataset-path bench_data/sharegpt_smollm2_1000.json \
+    [ "${SEED:-1}" = 1 ] && run "seed_$m" "$lim" python3 scripts/bench_engine.py --model "$m" \
+      --output-len 128 --ttft-reps 0 --max-num-batched-tokens 2048 "${len[@]}" \
+      --output-json "$OUT/seed_$m.json"
+    [ "${SHAREGPT:-1}" = 1 ] && [ -f bench_data/sharegpt_smollm2_1000.json ] && \
+      run "sharegpt_$m" 240 python3 scripts/bench_throughput.py --model "$m" --load-format dummy \
+      "${len[@]}" --dataset-name sharegpt --dataset-path bench_data/sharegpt_smollm2_1000.json \
       --num-prompts 1000 --output-json "$OUT/sharegpt_$m.json"
   done
 }
