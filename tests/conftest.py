@@ -72,3 +72,14 @@ def _release_compiled_programs():
 
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
+
+
+@pytest.fixture(scope="module")
+def full_opt_steps():
+    """The module's engines run their steps compiled at XLA's default level
+    (`compile_options.full_opt_engine_steps`): for modules of real-model engine tests,
+    named in their `pytestmark`."""
+    from compile_options import full_opt_engine_steps
+
+    with full_opt_engine_steps():
+        yield

@@ -9,6 +9,8 @@ from jprefix import LLM, SamplingParams
 from jprefix.entrypoints.cli import main as cli_main
 from models.reference import dense_generate
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 SYSTEM = (
     "You are a support assistant for a bookshop. Answer briefly and politely. Orders ship "
     "within five business days and returns are accepted for thirty days after delivery. "

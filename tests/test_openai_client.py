@@ -20,6 +20,8 @@ import jprefix  # noqa: E402
 from jprefix import LLM  # noqa: E402
 from jprefix.engine.input_processor import render_chat  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 KEY, NAME = "sk-jprefix-test", "smol"
 
 

@@ -15,6 +15,8 @@ from jprefix import LLM, SamplingParams  # noqa: E402
 from jprefix.entrypoints.openai_server import build_app  # noqa: E402
 from models.reference import dense_generate  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 PROMPT = np.random.default_rng(0).integers(3, 200, 21).tolist()
 
 

@@ -23,6 +23,8 @@ from jprefix import LLM  # noqa: E402
 from jprefix.engine.input_processor import render_chat  # noqa: E402
 from jprefix.entrypoints.openai_server import build_app  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 
 class Server(server_harness.Server):
     """The shared test server, plus raw requests on one keep-alive connection."""

@@ -22,6 +22,8 @@ from jprefix import LLM, SamplingParams  # noqa: E402
 from jprefix.engine.input_processor import render_chat  # noqa: E402
 from models.reference import dense_forward  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 PROMPT = np.random.default_rng(0).integers(3, 200, 21).tolist()
 
 

@@ -8,6 +8,8 @@ import pytest
 import jprefix
 from jprefix import LLM, SamplingParams, StructuredOutputsParams
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 TEXT = ("The lighthouse at Carrow Point was built in 1871 from granite quarried on the "
         "island itself. Its lamp burned colza oil until 1904.")
 

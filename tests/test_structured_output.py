@@ -17,6 +17,8 @@ from jprefix.entrypoints.guided import structured_params
 from jprefix.entrypoints.protocol import RequestError
 from jprefix.worker.structured import apply_token_bitmask, place_bitmask
 
+pytestmark = pytest.mark.usefixtures("full_opt_steps")  # (real-model steps: conftest)
+
 jsonschema = pytest.importorskip("jsonschema")
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}

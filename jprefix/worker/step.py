@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -133,11 +134,14 @@ _STATIC = ("layout", "cfg", "backend", "decode", "cascade", "mesh", "extra", "kv
 _STEP_STATIC = (*_STATIC, "greedy")
 
 
-def _jit_step(fn: Callable, static: tuple[str, ...], fp8_weights: bool = False) -> Callable:
+def _jit_step(fn: Callable, static: tuple[str, ...], fp8_weights: bool = False,
+              extra_options: dict[str, Any] | None = None) -> Callable:
     """`fn` jitted as an engine step: `static` arguments, the KV cache donated, and the
-    step's XLA options (`xla_flags.step_compiler_options`)."""
+    step's XLA options (`xla_flags.step_compiler_options`, updated with `extra_options`:
+    the tests re-jit the steps at another XLA level this way)."""
+    options = xla_flags.step_compiler_options(fp8_weights=fp8_weights) | (extra_options or {})
     return jax.jit(fn, static_argnames=static, donate_argnames=("kv_cache",),
-                   compiler_options=xla_flags.step_compiler_options(fp8_weights=fp8_weights))
+                   compiler_options=options)
 
 
 @functools.partial(_jit_step, static=_STEP_STATIC)
