@@ -18,8 +18,8 @@ FULL_OPT = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_pas
 def full_opt_engine_steps():
     """Engines built inside run their steps (`jprefix.worker.step`'s `step` and
     `step_logits`) compiled at XLA's default level: a module of real-model engine tests
-    spends its time running SmolLM2's steps rather than compiling them, and those run
-    ~25% faster at it (measured on the structured-output tests: 32 against 43 s)."""
+    spends its time running SmolLM2's steps rather than compiling them, and -O0 slows
+    those down. Module-wide: an engine keeps the step it was built with."""
     from jprefix.worker import step as s
 
     saved = s.step, s.step_logits
