@@ -8,26 +8,6 @@ compare programs compiled alike). A test whose time is running real model shapes
 `FULL_OPT`, which restores XLA's default for one program.
 """
 
-import contextlib
-
 CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 FULL_OPT = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
 
-
-@contextlib.contextmanager
-def full_opt_engine_steps():
-    """Engines built inside run their steps (`jprefix.worker.step`'s `step` and
-    `step_logits`) compiled at XLA's default level: a module of real-model engine tests
-    spends its time running SmolLM2's steps rather than compiling them, and -O0 slows
-    those down. Module-wide: an engine keeps the step it was built with."""
-    from jprefix.worker import step as s
-
-    saved = s.step, s.step_logits
-    s.step = s._jit_step(saved[0].__wrapped__, s._STEP_STATIC, extra_options=FULL_OPT)
-    s.step_logits = s._jit_step(saved[1].__wrapped__, s._STATIC, extra_options=FULL_OPT)
-    s.compiled_steps.cache_clear()
-    try:
-        yield
-    finally:
-        s.step, s.step_logits = saved
-        s.compiled_steps.cache_clear()

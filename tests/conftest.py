@@ -76,10 +76,18 @@ def _release_compiled_programs():
 
 @pytest.fixture(scope="module")
 def full_opt_steps():
-    """The module's engines run their steps compiled at XLA's default level
-    (`compile_options.full_opt_engine_steps`): for modules of real-model engine tests,
-    named in their `pytestmark`."""
-    from compile_options import full_opt_engine_steps
+    """The module's engines run their steps (`jprefix.worker.step`'s `step` and
+    `step_logits`) compiled at XLA's default level (`FULL_OPT`): for modules of
+    real-model engine tests, named in their `pytestmark`, whose time is running SmolLM2's
+    steps, which -O0 slows down. Module-wide: an engine keeps the step it was built with."""
+    from compile_options import FULL_OPT
 
-    with full_opt_engine_steps():
-        yield
+    from jprefix.worker import step as s
+
+    saved = s.step, s.step_logits
+    s.step = s._jit_step(saved[0].__wrapped__, s._STEP_STATIC, extra_options=FULL_OPT)
+    s.step_logits = s._jit_step(saved[1].__wrapped__, s._STATIC, extra_options=FULL_OPT)
+    s.compiled_steps.cache_clear()
+    yield
+    s.step, s.step_logits = saved
+    s.compiled_steps.cache_clear()

@@ -46,10 +46,10 @@ SCRIPT = textwrap.dedent("""
     linear_mod.skinny_matmul = lambda x, w, **k: calls.append(
         ("skinny", w.shape[-1], k.get("act"))) or real_skinny(x, w, **k)
     f = cfg.intermediate_size
+    # (TP 1 and 2 equal the dense reference in the other engine tests,
+    # tests/test_tensor_parallel.py's on both layouts; TP 4 is where kv heads replicate)
+    tp = 4
     for unroll in (False, True):
-        # (TP 1 and 2 equal the dense reference in the other engine tests,
-        # tests/test_tensor_parallel.py's on both layouts; TP 4 is where kv heads replicate)
-        tp = 4
         calls.clear()
         llm = LLM(model, tensor_parallel_size=tp, block_size=8, num_kv_blocks=64,
                   attention_backend=backend, cascade_min_group=2, cascade_min_blocks=1,
