@@ -150,3 +150,36 @@ def test_an_interrupted_generate_aborts_its_requests_and_hands_on_the_rest(tiny,
     _assert_idle(llm)
     out = llm.generate([_prompt(53)], _greedy(3), use_tqdm=False)[0]
     assert out.token_ids == _dense(tiny, _prompt(53), 3)
+
+
+def test_shutdown_aborts_in_flight_requests_and_waits_out_the_step(tiny, llm, loop):
+    """The server's exit: its event loop has closed while a stream's step runs; shutdown
+    aborts every request and returns only once the stepping thread has left its step."""
+    step, in_step, release = llm.engine.step, threading.Event(), threading.Event()
+
+    def held():
+        in_step.set()
+        release.wait(60)
+        return step()
+
+    llm.engine.step = held
+    futures = [asyncio.run_coroutine_threadsafe(llm.generate_async(_prompt(60 + i), _greedy(50)),
+                                                loop) for i in range(2)]
+    assert in_step.wait(60)
+    thread = llm._driver.thread
+    held_loop = asyncio.new_event_loop()  # a closed loop's stream: put must not raise
+    llm._driver._sinks["gone"] = type(next(iter(llm._driver._sinks.values())))(
+        held_loop, asyncio.Queue())
+    held_loop.close()
+    assert not llm.shutdown(0.2)  # the step is still running
+    assert thread.is_alive()
+    release.set()
+    assert llm.shutdown(60)
+    assert not thread.is_alive()
+    for f in futures:
+        with pytest.raises(RuntimeError, match="shut down"):
+            f.result(60)
+    llm.engine.step = step
+    _assert_idle(llm)
+    out = llm.generate([_prompt(62)], _greedy(3), use_tqdm=False)[0]  # still usable
+    assert out.token_ids == _dense(tiny, _prompt(62), 3)

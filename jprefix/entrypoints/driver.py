@@ -41,7 +41,10 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # its loop is closed: the caller is gone (a server that stopped)
+            pass
 
 
 @dataclass
@@ -161,6 +164,17 @@ class EngineDriver:
         for rid in ids:
             if self._sinks.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Aborts every request in flight (each waiting caller gets a RuntimeError), then
+        waits up to `timeout` seconds for the stepping thread to exit; True once no thread
+        steps. A process must not exit while that thread is inside XLA: the interpreter's
+        teardown of a daemon thread there aborts the process. The driver stays usable."""
+        self._fail_all(RuntimeError("the engine was shut down; the request was aborted"))
+        thread = self.thread
+        if thread is not None:
+            thread.join(timeout)
+        return self.thread is None
 
     def _start_thread(self) -> None:
         thread = threading.Thread(target=self._run_thread, name="jprefix-engine", daemon=True)

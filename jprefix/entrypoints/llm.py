@@ -194,6 +194,13 @@ class LLM:
         if thread is not None:
             thread.join()
 
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Aborts every request in flight (their callers get a RuntimeError) and waits up
+        to `timeout` seconds for the stepping thread to exit; True once none runs. Call it
+        before the process exits while callers may still be waiting (the server does);
+        the LLM takes new requests afterwards."""
+        return self._driver.close(timeout)
+
     def warmup(self, prefixes: list[Any], pin: bool = False) -> list[Any]:
         """Computes each prefix once so later requests hit the cache; returns the Prefix
         objects (their `.hash` is what `prefix_pool.delete_prefix` takes)."""

@@ -22,6 +22,7 @@ import uvicorn
 from jprefix.entrypoints.llm import LLM
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+_STEP_BOUND_S = 60.0  # the wait at exit for a step in flight (a first step compiles)
 _POLLS = ("/health", "/ping", "/metrics")
 logger = logging.getLogger("jprefix.server")
 
@@ -87,7 +88,12 @@ def run(app: Any, llm: LLM, host: str = "127.0.0.1", port: int = 8000, *,
     config.load()  # (configures uvicorn's loggers: the filter goes on after)
     if not access_log_health:
         logging.getLogger("uvicorn.access").addFilter(_NoPolls())
-    server.run()
+    try:
+        server.run()
+    finally:  # (requests left by the drain; the process must not exit under a step)
+        if not llm.shutdown(_STEP_BOUND_S):
+            logger.warning("the engine's step did not end within %g s of the shutdown",
+                           _STEP_BOUND_S)
 
 
 def _stats_logger(llm: LLM) -> Any:
