@@ -183,3 +183,45 @@ def test_shutdown_aborts_in_flight_requests_and_waits_out_the_step(tiny, llm, lo
     _assert_idle(llm)
     out = llm.generate([_prompt(62)], _greedy(3), use_tqdm=False)[0]  # still usable
     assert out.token_ids == _dense(tiny, _prompt(62), 3)
+
+
+_EXIT_SCRIPT = """
+import asyncio, sys, time
+import jprefix
+from jprefix import LLM, SamplingParams
+
+llm = LLM(jprefix.load("tiny-llama", dtype="float32", load_format="dummy"), block_size=8,
+          num_kv_blocks=96)
+step = llm.engine.step
+
+def slow():
+    time.sleep(0.3)
+    out = step()
+    print("step-ended", flush=True)
+    return out
+
+async def first():
+    sp = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    async for _ in llm.stream_async([5, 6, 7], sp):
+        return
+
+asyncio.run(first())
+llm.engine.step = slow
+print("main-done", flush=True)
+"""
+
+
+def test_interpreter_exit_waits_out_the_step_in_flight_and_aborts_the_rest():
+    """A script that leaves with a request running: the exit hook aborts it and waits for
+    the stepping thread's step (a daemon thread torn down inside XLA aborts the process),
+    so a step ends after the main thread's last line and the process exits 0."""
+    import subprocess
+    import sys
+
+    from subprocess_checks import device_env
+
+    run = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True,
+                         env=device_env(1), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split()
+    assert "main-done" in lines and "step-ended" in lines[lines.index("main-done"):]

@@ -15,12 +15,17 @@ Each request (one per sample) has a sink: an asyncio queue on its caller's event
 which receives every RequestOutput the engine returns for it (a DELTA request's progress,
 then its last output), or a sync caller's dict of finished outputs, filled under a
 condition variable. The driver reads RequestOutputs only, never the engine's requests.
+
+At interpreter exit every live driver is closed (`close`: its requests aborted, its step
+in flight waited for): a daemon thread torn down inside XLA aborts the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
@@ -31,6 +36,14 @@ from jprefix.engine.front import EngineFront
 from jprefix.engine.parallel_sampling import SampleGroup
 
 _SYNC = "sync caller"  # marks the stepping role as held by a sync `run`
+_EXIT_WAIT_S = 60.0  # at interpreter exit, the wait for each driver's step in flight
+_live: weakref.WeakSet = weakref.WeakSet()  # every driver, for the exit hook
+
+
+@atexit.register
+def _close_all() -> None:
+    for driver in list(_live):
+        driver.close(_EXIT_WAIT_S)
 
 
 @dataclass
@@ -70,6 +83,7 @@ class EngineDriver:
         self._lock = threading.Lock()
         self._sinks: dict[str, _Stream | _Batch] = {}  # by request id, until finished
         self._stepper: threading.Thread | str | None = None  # who steps now, if anyone
+        _live.add(self)
 
     @property
     def thread(self) -> threading.Thread | None:

@@ -188,8 +188,8 @@ class LLM:
 
     def wait_idle(self) -> None:
         """Returns once the background stepping thread (if one runs) has exited: after
-        the last async request finished, a step may still be in flight; exit the
-        process only after it (a thread torn down inside XLA aborts the process)."""
+        the last async request finished, a step may still be in flight (the driver's
+        exit hook also waits for it: a thread torn down inside XLA aborts the process)."""
         thread = self._driver.thread
         if thread is not None:
             thread.join()
