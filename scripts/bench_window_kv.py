@@ -64,7 +64,10 @@ def run_mode(model, args, prompts: list[list[int]], hybrid: bool) -> dict:
               disable_hybrid_kv_cache_manager=not hybrid, enable_cascade=False)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
+    t0 = time.perf_counter()
     drive(engine, prompts, sp, "w")  # warm-up: the document cached, every shape compiled
+    print(f"  {'hybrid' if hybrid else 'one_table'}: warm-up (the document, every step "
+          f"shape compiled) took {time.perf_counter() - t0:.0f} s", flush=True)
     engine.scheduler.prefix_pool.num_queried_tokens = 0
     engine.scheduler.prefix_pool.num_hit_tokens = 0
     preempted = engine.stats.num_preemptions
