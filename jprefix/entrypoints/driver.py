@@ -186,7 +186,7 @@ class EngineDriver:
         teardown of a daemon thread there aborts the process. The driver stays usable."""
         self._fail_all(RuntimeError("the engine was shut down; the request was aborted"))
         thread = self.thread
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         return self.thread is None
 
