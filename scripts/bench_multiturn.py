@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="overrides the sizing; 0: sized from device memory (full size)")
     ap.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB, mode 'on'")
+    ap.add_argument("--kv-offloading-step-tokens", type=int, default=0,
+                    help="mode 'on': the most tokens one step brings back (0: no bound)")
     ap.add_argument("--modes", default="off,on,unbounded")
     ap.add_argument("--prefix-mode", default="auto", choices=["auto", "explicit"])
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_dtype=args.kv_cache_dtype,
                   num_kv_blocks=(pool or None) if mode != "unbounded" else live // B + 64,
-                  kv_offloading_size=args.kv_offloading_size if mode == "on" else 0.0)
+                  kv_offloading_size=args.kv_offloading_size if mode == "on" else 0.0,
+                  kv_offloading_step_tokens=args.kv_offloading_step_tokens)
         llm = LLM(model, **kw)
         if llm.engine.kv_tier is not None:  # every padded move size a step may take
             llm.engine.kv_tier.offloader.compile_moves(running)

@@ -62,6 +62,40 @@ def test_greedy_tokens_equal_with_the_host_tier_on_off_and_unbounded(sharp, kv_c
     on.kv_tier.pool.check_invariants()
 
 
+def _step_loads(llm: LLM) -> list[list[int]]:
+    """Records, per step, the blocks each sequence starts loading from the host tier."""
+    pool, record = llm.engine.prefix_pool, []
+    take = pool.take_moves
+
+    def take_moves():
+        record.append([len(nodes) for _, nodes in pool.moves.loading])
+        return take()
+
+    pool.take_moves = take_moves
+    return record
+
+
+def test_a_step_brings_back_at_most_its_load_bound_and_tokens_stay_equal(sharp):
+    histories, bound = _histories(sharp.config.vocab_size), 3 * BS
+    args = dict(block_size=BS, num_kv_blocks=17, max_num_seqs=4, attention_backend="xla",
+                max_num_batched_tokens=64, kv_offloading_size=0.01)
+    runs, loads = {}, {}
+    for step_tokens in (0, bound):
+        llm = LLM(sharp, kv_offloading_step_tokens=step_tokens, **args)
+        loads[step_tokens] = _step_loads(llm)
+        runs[step_tokens] = _replay(llm, histories)
+        llm.engine.prefix_pool.check_invariants()
+        llm.engine.kv_tier.pool.check_invariants()
+    assert runs[bound] == runs[0]
+    over = [s for s in loads[0] if len(s) > 1 and sum(s) * BS > bound]
+    assert over, "the unbounded run never loaded past the bound in one step"
+    assert all(len(s) == 1 or sum(s) * BS <= bound for s in loads[bound])  # (a first load goes)
+    steps_loading = {k: sum(1 for s in v if s) for k, v in loads.items()}
+    assert steps_loading[bound] > steps_loading[0]  # the same loads, over more steps
+    with pytest.raises(ValueError, match="kv_offloading_step_tokens must be >= 0, got -1"):
+        LLM(sharp, kv_offloading_step_tokens=-1, **args)
+
+
 class StubRunner:
     """The runner surface the offloader uses: a cache and ordered updates to it."""
 

@@ -75,6 +75,9 @@ class HostPool:
         # the worker copies a step's loads before the step runs (their sequences may run
         # in it) rather than while later steps run (`jprefix.worker.offload`)
         self.loads_in_step = False
+        # the most tokens whose loads start in one step (`kv_offloading_step_tokens`: a
+        # step's in-stream loads delay its every row); 0: no bound
+        self.step_load_tokens = 0
 
     @property
     def num_used_slots(self) -> int:

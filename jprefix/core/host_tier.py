@@ -72,9 +72,11 @@ class HostTierMixin:
     def acquire_from_host(self, seq: Any, max_blocks: int) -> int:
         """Continues seq's HBM match (its block_table) from the host tier: allocates HBM
         blocks for the host run, queues their copies (`moves.loads`) and holds the host
-        slots until `finish_loads`; returns the blocks (0: none, or no room). The blocks
-        join the trie when their copy is done (`finish_loads`): until then the sequence
-        waits in the scheduler. The tokens count as host hits."""
+        slots until `finish_loads`; returns the blocks (0: none, or no room; -1: they
+        would take the loads started this step past `host.step_load_tokens`, so the
+        sequence should start next step). The blocks join the trie when their copy is
+        done (`finish_loads`): until then the sequence waits in the scheduler (in-stream
+        loads land in the step). The tokens count as host hits."""
         if self.host is None or (seq.num_prompt_logprobs is not None
                                  and seq.num_output_tokens == 0):  # (computes every position)
             return 0
@@ -82,6 +84,10 @@ class HostTierMixin:
         nodes = self.host.match(seq.all_token_ids, start, max_blocks, seq.cache_salt)
         if not nodes or not self.block_manager.can_allocate(len(nodes)):
             return 0
+        bound = self.host.step_load_tokens  # (the step's first load always starts)
+        started = sum(len(n) for _, n in self.moves.loading) * self.block_size
+        if bound and started and started + len(nodes) * self.block_size > bound:
+            return -1
         self.host.incref(nodes)  # (the allocation may evict into the host tier)
         blocks = self.block_manager.allocate(len(nodes))
         seq.block_table.extend(blocks)

@@ -144,9 +144,8 @@ class Scheduler:
         return fit
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        # Sequences whose host-tier blocks copy back leave the queue for the round (later
-        # ones are admitted or start copies) and return to its front: they start once
-        # their copies land. Copies in flight stay within the step's token budget.
+        # Sequences whose host-tier blocks copy back leave the queue for the round and return
+        # to its front: they start once their copies land (in flight: within the budget).
         loading: list[Sequence] = []
         self.waiting.begin_round()
         try:
@@ -192,8 +191,11 @@ class Scheduler:
         if self.config.enable_prefix_caching and not seq.block_table:
             self._match(seq)
             pool = self.prefix_pool
-            loading = pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size)) > 0
-            if loading and not pool.loads_land_in_step():
+            loads = pool.acquire_from_host(seq, seq.num_matchable_blocks(self.block_size))
+            if loads < 0:  # past the step's load bound: it starts (and loads) next step
+                self.block_manager.free(seq.reset_blocks())
+                return 0
+            if (loading := loads > 0) and not pool.loads_land_in_step():
                 return -1
         if self.sliding_window is not None and seq.num_computed_tokens:  # (idempotent)
             self.release_window(seq, seq.num_computed_tokens, self.sliding_window,
@@ -259,9 +261,8 @@ class Scheduler:
 
     def _never_fits(self, seq: Sequence) -> bool:
         bm = self.block_manager
-        if bm.blocks_for(seq.num_tokens) > bm.num_blocks - 1:
-            return True
-        return not self._can_chunk(seq) and seq.num_tokens > self.config.max_num_batched_tokens
+        return bm.blocks_for(seq.num_tokens) > bm.num_blocks - 1 or (
+            not self._can_chunk(seq) and seq.num_tokens > self.config.max_num_batched_tokens)
 
     def _add_running(self, seq: Sequence) -> None:
         if self.running:
@@ -273,8 +274,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         del self.running[seq.request_id]
         self.block_manager.free(self.prefix_pool.release_finished(seq, seq.reset_blocks()))
-        seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
+        seq.status, seq.num_preemptions = SequenceStatus.PREEMPTED, seq.num_preemptions + 1
         self.waiting.prepend(seq)
         out.preempted.append(seq)
 

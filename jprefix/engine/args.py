@@ -109,6 +109,11 @@ class EngineArgs:
     # The prefix cache's host-memory tier (jprefix.engine.kv_tier), GiB of host memory
     # per replica (vLLM's --kv-offloading-size); 0: off
     kv_offloading_size: float = 0.0
+    # the most tokens the host tier brings back in one step (a request whose loads would
+    # pass it starts the next step; a step's first load always goes): in-stream loads run
+    # before the step, so one step carrying a whole round's loads delays each of its
+    # first tokens. 0: no bound
+    kv_offloading_step_tokens: int = 0
     # a prefix cache saved by LLM.save_prefix_cache, loaded into the host tier at start
     # (a tier just large enough is made when kv_offloading_size is 0)
     prefix_cache_path: str | None = None
@@ -148,6 +153,9 @@ class EngineArgs:
                 raise ValueError(f"speculative_config draft_model with {name} "
                                  f"{getattr(self, name)} is not supported (the draft runs on "
                                  "one device, in one replica)")
+        if self.kv_offloading_step_tokens < 0:
+            raise ValueError(f"kv_offloading_step_tokens must be >= 0, got "
+                             f"{self.kv_offloading_step_tokens}")
         if not self.kv_offloading_size >= 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got "
                              f"{self.kv_offloading_size}")

@@ -46,14 +46,17 @@ class KVTier:
 
     @classmethod
     def for_args(cls, runner: Any, size_gib: float, block_size: int,
-                 min_slots: int = 0) -> KVTier | None:
-        """The tier of `kv_offloading_size` GiB (None when 0 and nothing needs it)."""
+                 min_slots: int = 0, step_tokens: int = 0) -> KVTier | None:
+        """The tier of `kv_offloading_size` GiB (None when 0 and nothing needs it),
+        bringing back at most `step_tokens` (`kv_offloading_step_tokens`) a step."""
         if size_gib < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {size_gib}")
         slots = max(KVOffloader.slots_for(runner, size_gib), min_slots)
         if size_gib == 0 and slots == 0:
             return None
-        return cls(runner, slots, block_size)
+        tier = cls(runner, slots, block_size)
+        tier.pool.step_load_tokens = step_tokens
+        return tier
 
     def before_step(self, pool: PrefixPool) -> Any:
         """Queues the step's saves (before the step runs) and its loads: in-stream, before

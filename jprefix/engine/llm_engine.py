@@ -110,7 +110,7 @@ class LLMEngine(EngineFront):
         if not (self.args.kv_offloading_size or need):
             return None
         return KVTier.for_args(self.runner, self.args.kv_offloading_size, self.args.block_size,
-                               need)
+                               need, self.args.kv_offloading_step_tokens)
 
     def _make_kv_events(self) -> KVEventPublisher | None:
         """KV cache events (`kv_events_config`): both tiers append to one sink."""

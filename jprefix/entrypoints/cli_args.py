@@ -51,6 +51,9 @@ HELP = {
     "kv_cache_dtype": "the KV cache's format: auto = the model dtype; fp8 = fp8_e4m3 "
                       "(per-row scales), fp8_e5m2",
     "quantization": "fp8: the linear layers' weights quantised to fp8 at load time",
+    "kv_offloading_size": "GiB of host memory for the prefix cache's host tier (0: off)",
+    "kv_offloading_step_tokens": "host tier: the most tokens one step brings back (a request "
+                                 "past it starts next step; 0: no bound)",
     "speculative_config": "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'",
 }
