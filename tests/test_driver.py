@@ -12,6 +12,7 @@ import pytest
 
 import jprefix
 from jprefix import LLM, SamplingParams
+from jprefix.entrypoints.driver import _Stream
 from models.reference import dense_generate
 
 
@@ -168,8 +169,7 @@ def test_shutdown_aborts_in_flight_requests_and_waits_out_the_step(tiny, llm, lo
     assert in_step.wait(60)
     thread = llm._driver.thread
     held_loop = asyncio.new_event_loop()  # a closed loop's stream: put must not raise
-    llm._driver._sinks["gone"] = type(next(iter(llm._driver._sinks.values())))(
-        held_loop, asyncio.Queue())
+    llm._driver._sinks["gone"] = _Stream(held_loop, asyncio.Queue())
     held_loop.close()
     assert not llm.shutdown(0.2)  # the step is still running
     assert thread.is_alive()

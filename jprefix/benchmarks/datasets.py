@@ -105,41 +105,47 @@ def make_prompts(n: int, prefix: int, unique: int, vocab: int, seed: int) -> lis
     return [shared + rng.integers(10, vocab, unique).tolist() for _ in range(n)]
 
 
-def save_requests(path: str, requests: list[Request], meta: dict) -> None:
-    """Writes a pre-tokenized request file (`load_requests` reads it back), creating its
-    folder."""
+def _save_tagged(path: str, key: str, rows: list, meta: dict) -> None:
+    """Writes `{key: rows, "meta": meta}` as JSON (the key first: `_load_tagged` tells the
+    file by it), creating its folder."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"jprefix_requests": [asdict(r) for r in requests], "meta": meta}, f)
+        json.dump({key: rows, "meta": meta}, f)
+
+
+def _load_tagged(path: str, key: str) -> list | None:
+    """The rows `_save_tagged` wrote under `key`; None if the file is not such a file (its
+    head does not name the key: a raw ShareGPT file, say)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(64)
+    if f'"{key}"' not in head:
+        return None
+    with open(path) as f:
+        return json.load(f)[key]
+
+
+def save_requests(path: str, requests: list[Request], meta: dict) -> None:
+    """Writes a pre-tokenized request file (`load_requests` reads it back)."""
+    _save_tagged(path, "jprefix_requests", [asdict(r) for r in requests], meta)
 
 
 def save_conversations(path: str, conversations: list[list[list[int]]], meta: dict) -> None:
     """Writes a pre-tokenized multi-turn file: per conversation its user turns' token ids
-    (`load_conversations` reads it back), creating its folder."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"jprefix_conversations": conversations, "meta": meta}, f)
+    (`load_conversations` reads it back)."""
+    _save_tagged(path, "jprefix_conversations", conversations, meta)
 
 
 def load_conversations(path: str) -> list[list[list[int]]] | None:
     """The user turns of a pre-tokenized multi-turn file; None if the file is not one."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        head = f.read(64)
-    if '"jprefix_conversations"' not in head:
-        return None
-    with open(path) as f:
-        return json.load(f)["jprefix_conversations"]
+    return _load_tagged(path, "jprefix_conversations")
 
 
 def load_requests(path: str, vocab_size: int) -> list[Request] | None:
     """The requests of a pre-tokenized file (ids folded into vocab_size); None if the
     file is not one (a raw ShareGPT file, say)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        head = f.read(64)
-    if '"jprefix_requests"' not in head:
+    rows = _load_tagged(path, "jprefix_requests")
+    if rows is None:
         return None
-    with open(path) as f:
-        rows = json.load(f)["jprefix_requests"]
     reqs = [Request(**r) for r in rows]
     for r in reqs:
         r.prompt = [t % vocab_size for t in r.prompt]

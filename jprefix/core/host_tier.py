@@ -85,8 +85,8 @@ class HostTierMixin:
         if not nodes or not self.block_manager.can_allocate(len(nodes)):
             return 0
         bound = self.host.step_load_tokens  # (the step's first load always starts)
-        started = sum(len(n) for _, n in self.moves.loading) * self.block_size
-        if bound and started and started + len(nodes) * self.block_size > bound:
+        if bound and self.moves.loading and (self._tokens_of([self.moves.loading])
+                                             + len(nodes) * self.block_size > bound):
             return -1
         self.host.incref(nodes)  # (the allocation may evict into the host tier)
         blocks = self.block_manager.allocate(len(nodes))
@@ -143,7 +143,10 @@ class HostTierMixin:
 
     def loading_tokens(self) -> int:
         """Tokens of the copies started this round or still in flight."""
-        batches = [self.moves.loading, *self.moves.in_flight]
+        return self._tokens_of([self.moves.loading, *self.moves.in_flight])
+
+    def _tokens_of(self, batches: list) -> int:
+        """Tokens the batches of loads ((sequence, host nodes) pairs) bring back."""
         return sum(len(nodes) for b in batches for _, nodes in b) * self.block_size
 
     def release_finished(self, seq: Any, blocks: list[int]) -> list[int]:

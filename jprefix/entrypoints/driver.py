@@ -36,14 +36,14 @@ from jprefix.engine.front import EngineFront
 from jprefix.engine.parallel_sampling import SampleGroup
 
 _SYNC = "sync caller"  # marks the stepping role as held by a sync `run`
-_EXIT_WAIT_S = 60.0  # at interpreter exit, the wait for each driver's step in flight
+EXIT_WAIT_S = 60.0  # at exit, the wait for a driver's step in flight (a first one compiles)
 _live: weakref.WeakSet = weakref.WeakSet()  # every driver, for the exit hook
 
 
 @atexit.register
 def _close_all() -> None:
     for driver in list(_live):
-        driver.close(_EXIT_WAIT_S)
+        driver.close(EXIT_WAIT_S)
 
 
 @dataclass

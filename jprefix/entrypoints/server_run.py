@@ -19,10 +19,10 @@ from typing import Any
 
 import uvicorn
 
+from jprefix.entrypoints.driver import EXIT_WAIT_S
 from jprefix.entrypoints.llm import LLM
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
-_STEP_BOUND_S = 60.0  # the wait at exit for a step in flight (a first step compiles)
 _POLLS = ("/health", "/ping", "/metrics")
 logger = logging.getLogger("jprefix.server")
 
@@ -90,10 +90,11 @@ def run(app: Any, llm: LLM, host: str = "127.0.0.1", port: int = 8000, *,
         logging.getLogger("uvicorn.access").addFilter(_NoPolls())
     try:
         server.run()
-    finally:  # (requests left by the drain; the process must not exit under a step)
-        if not llm.shutdown(_STEP_BOUND_S):
+    finally:  # the drain's leftovers, before the interpreter's teardown (the driver's exit
+        # hook comes after the worker pools have closed, where a step would fail instead)
+        if not llm.shutdown(EXIT_WAIT_S):
             logger.warning("the engine's step did not end within %g s of the shutdown",
-                           _STEP_BOUND_S)
+                           EXIT_WAIT_S)
 
 
 def _stats_logger(llm: LLM) -> Any:
