@@ -1,4 +1,4 @@
-"""fp8 accuracy on the real SmolLM2-135M (float32 baseline), teacher-forced over 1,024
+"""fp8 accuracy on the real SmolLM2-135M (float32 baseline), teacher-forced over 2,048
 tokens of a public-domain text (tests/data/coriolanus.txt: the opening of Shakespeare's
 Coriolanus): top-1 agreement of each position's prediction with the baseline's, and the
 perplexity change, for the fp8 KV cache (e4m3 and e5m2), fp8 weights, and both.
@@ -10,16 +10,17 @@ with quantisation, paged attention on the fp8 cache) on a prefix of the text.
 
 fp8 weights are `quantize_linears`' default, the engine's: every linear layer in fp8 but
 the last layer's MLP, kept in the model dtype (with it in fp8 too: weights 89.6% top-1,
-+3.8% perplexity; both 88.3%, +4.2%).
++3.8% perplexity; both 88.3%, +4.2%, on 1,024 tokens).
 
-Measured on these 1,024 tokens: fp8 e4m3 KV 95.9% top-1, +0.43% perplexity; e5m2 KV
-88.2%, +3.0%; fp8 weights 89.8%, +2.4%; both 88.2%, +2.8% (on 2,048 tokens, the figures
-docs/PERF.md quotes: 95.3% / +0.61%, 89.4% / +3.2%, 90.3% / +1.9%, 89.0% / +2.2%; the
-suite runs 1,024 because each float32 forward costs 4x as much at 2,048). Issue 17's
-bounds are fp8 KV >= 98% top-1 and <= +1% perplexity, both <= +3%: the perplexity bounds
-are met, the KV cache's top-1 is not on this 135M model
-(`test_issue_kv_top1_bound_not_met_on_smollm2`, strict xfail). The asserted floors below
-are the measured figures with a small margin, so a regression fails.
+Measured (docs/PERF.md's figures): fp8 e4m3 KV 95.3% top-1, +0.61% perplexity; e5m2 KV
+89.4%, +3.2%; fp8 weights 90.3%, +1.9%; both 89.0%, +2.2%. Issue 17's bounds are fp8 KV
+>= 98% top-1 and <= +1% perplexity, both <= +3%: the perplexity bounds are met, the KV
+cache's top-1 is not on this 135M model (`test_issue_kv_top1_bound_not_met_on_smollm2`,
+strict xfail). Why 2,048 tokens: over 1,024 the figures moved by up to 0.6 points of
+perplexity between XLA builds and machines (both +2.8% on one, +3.35% on another: across
+the +3% bound), a spread of rounding flips that the longer text averages down. The floors
+below are the measured figures with a margin of about that spread, so a regression fails
+and a rebuilt XLA does not.
 """
 
 import functools
@@ -38,7 +39,7 @@ from pallas_kernels.fp8 import FP8_NAMES, dequantize_rows, quantize_rows
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.paged_attention import paged_attention_reference
 
-TOKENS = 1024
+TOKENS = 2048
 DATA = "tests/data/coriolanus.txt"
 
 
@@ -97,9 +98,9 @@ def results(smollm2):
     return res
 
 
-# (top-1 floor, perplexity-change ceiling): measured figures with a small margin
-FLOORS = {"kv_e4m3": (0.95, 0.007), "kv_e5m2": (0.87, 0.035), "weights": (0.885, 0.03),
-          "both": (0.87, 0.03)}
+# (top-1 floor, perplexity-change ceiling): measured figures with a margin (docstring)
+FLOORS = {"kv_e4m3": (0.945, 0.0095), "kv_e5m2": (0.885, 0.037), "weights": (0.895, 0.025),
+          "both": (0.88, 0.028)}
 
 
 @pytest.mark.parametrize("mode", sorted(FLOORS))
@@ -118,7 +119,7 @@ def test_both_fp8_modes_meet_the_issue_perplexity_bound(results):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 17's fp8 KV top-1 >= 98% is not met on "
-                   "SmolLM2-135M (95.9%)")
+                   "SmolLM2-135M (95.3%)")
 def test_issue_kv_top1_bound_not_met_on_smollm2(results):
     assert results["kv_e4m3"][0] >= 0.98
 
