@@ -4,6 +4,9 @@ Conversations are replayed turn by turn: each turn's prompt is the whole history
 earlier prompt and reply) plus the next user message, and the turns of all conversations
 are interleaved (turn t of every conversation, `--concurrency` at a time, then turn t+1),
 so between two turns of one conversation every other history passes through the cache.
+`--schedule rounds` sends each batch of `--concurrency` turns at once and waits for all
+its replies; `--schedule continuous` keeps `--concurrency` requests in the engine, each
+conversation's next turn queued as soon as its reply is back (`replay`).
 `--oversubscription X` sizes the HBM pool (`num_kv_blocks`) so the live histories at the
 last turn are X times what it holds. Per mode: prefix-cache hit rate, host hits, prompt
 tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass) and each
@@ -24,6 +27,7 @@ package, or a path) tokenized with `--tokenizer`, or a file of them pre-tokenize
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -67,39 +71,81 @@ def sharegpt_conversations(dataset: str, n: int, turns: int, tokenizer_name: str
     return [[[i % vocab for i in u[:max_user_len]] or [3] for u in c[:turns]] for c in convs]
 
 
+class Tally:
+    """A mode's figures over the turns it ran."""
+
+    def __init__(self, turns: int):
+        self.ttft: list[float] = []
+        self.by_turn: list[list[float]] = [[] for _ in range(turns)]
+        self.prompt_tokens = self.computed = self.out_tokens = 0
+
+    def add(self, turn: int, prompt: list[int], out: Any) -> list[int]:
+        """Counts one turn's output; returns the conversation's history after it."""
+        self.ttft.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+        self.by_turn[turn].append(self.ttft[-1])
+        self.prompt_tokens += len(prompt)
+        self.computed += len(prompt) - out.num_cached_tokens
+        self.out_tokens += len(out.token_ids)
+        return prompt + list(out.token_ids)
+
+    def row(self, llm: LLM, wall: float, history: list[list[int]]) -> dict[str, Any]:
+        stats = llm.stats()
+        return {"hit_rate": round(stats["hit_rate"], 4),
+                "host_hit_tokens": stats.get("num_host_hit_tokens", 0),
+                "prompt_tokens": self.prompt_tokens, "prefill_tokens_computed": self.computed,
+                "output_tok_s": round(self.out_tokens / wall, 2),
+                "ttft_p50_ms": round(float(np.percentile(self.ttft, 50)) * 1e3, 2),
+                "ttft_p99_ms": round(float(np.percentile(self.ttft, 99)) * 1e3, 2),
+                "ttft_p50_ms_by_turn": [round(float(np.median(t)) * 1e3, 2)
+                                        for t in self.by_turn],
+                "wall_s": round(wall, 2),
+                "host_bytes_to_device": stats.get("host_bytes_to_device", 0),
+                "host_copy_s": round(stats.get("host_copy_s", 0.0), 4),
+                "live_tokens": sum(map(len, history))}
+
+
 def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency: int,
-           explicit: bool) -> dict[str, Any]:
-    """Runs every turn of every conversation; returns the mode's figures."""
+           explicit: bool, schedule: str = "rounds") -> dict[str, Any]:
+    """Runs every turn of every conversation; returns the mode's figures.
+
+    "rounds": turn t of every conversation, `concurrency` at a time, each batch waiting
+    for its last reply (every batch arrives at once). "continuous": every conversation
+    sends its next turn as soon as its reply is back, at most `concurrency` requests in
+    the engine and the rest waiting in arrival order (first come, first served), so a
+    reply's turn goes behind every conversation waiting before it: the turns rotate as in
+    rounds, but each arrives when a slot frees, as a chat service's do."""
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     history: list[list[int]] = [[] for _ in convs]
-    ttft, prompt_tokens, computed, out_tokens = [], 0, 0, 0
-    by_turn: list[list[float]] = [[] for _ in convs[0]]
+    tally = Tally(len(convs[0]))
     t0 = time.perf_counter()
-    for turn in range(len(convs[0])):
-        for lo in range(0, len(convs), concurrency):
-            ids = range(lo, min(lo + concurrency, len(convs)))
-            prompts = [history[i] + convs[i][turn] for i in ids]
-            pos = [len(history[i]) for i in ids] if explicit else None
-            outs = llm.generate(prompts, sp, prefix_pos=pos, use_tqdm=False)
-            for i, p, o in zip(ids, prompts, outs, strict=True):
-                history[i] = p + o.token_ids
-                ttft.append(o.metrics["first_token_time"] - o.metrics["arrival_time"])
-                by_turn[turn].append(ttft[-1])
-                prompt_tokens += len(p)
-                computed += len(p) - o.num_cached_tokens
-                out_tokens += len(o.token_ids)
-    wall = time.perf_counter() - t0
-    stats = llm.stats()
-    return {"hit_rate": round(stats["hit_rate"], 4),
-            "host_hit_tokens": stats.get("num_host_hit_tokens", 0),
-            "prompt_tokens": prompt_tokens, "prefill_tokens_computed": computed,
-            "output_tok_s": round(out_tokens / wall, 2),
-            "ttft_p50_ms": round(float(np.percentile(ttft, 50)) * 1e3, 2),
-            "ttft_p99_ms": round(float(np.percentile(ttft, 99)) * 1e3, 2),
-            "ttft_p50_ms_by_turn": [round(float(np.median(t)) * 1e3, 2) for t in by_turn],
-            "wall_s": round(wall, 2), "host_bytes_to_device": stats.get("host_bytes_to_device", 0),
-            "host_copy_s": round(stats.get("host_copy_s", 0.0), 4),
-            "live_tokens": sum(map(len, history))}
+    if schedule == "continuous":
+        asyncio.run(_continuous(llm, convs, sp, concurrency, explicit, history, tally))
+    else:
+        for turn in range(len(convs[0])):
+            for lo in range(0, len(convs), concurrency):
+                ids = range(lo, min(lo + concurrency, len(convs)))
+                prompts = [history[i] + convs[i][turn] for i in ids]
+                pos = [len(history[i]) for i in ids] if explicit else None
+                outs = llm.generate(prompts, sp, prefix_pos=pos, use_tqdm=False)
+                for i, p, o in zip(ids, prompts, outs, strict=True):
+                    history[i] = tally.add(turn, p, o)
+    return tally.row(llm, time.perf_counter() - t0, history)
+
+
+async def _continuous(llm: LLM, convs: list[list[list[int]]], sp: SamplingParams,
+                      concurrency: int, explicit: bool, history: list[list[int]],
+                      tally: Tally) -> None:
+    slots = asyncio.Semaphore(concurrency)  # (its waiters resume in arrival order)
+
+    async def conversation(i: int) -> None:
+        for turn, user in enumerate(convs[i]):
+            prompt = history[i] + user
+            async with slots:
+                out = await llm.generate_async(
+                    prompt, sp, prefix_pos=len(history[i]) if explicit else None)
+            history[i] = tally.add(turn, prompt, out)
+
+    await asyncio.gather(*(conversation(i) for i in range(len(convs))))
 
 
 def parse_mode(mode: str, step_tokens: int) -> tuple[str, int]:
@@ -135,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default="off,on,unbounded",
                     help="off, on, on:N (step-load bound N tokens), unbounded")
     ap.add_argument("--prefix-mode", default="auto", choices=["auto", "explicit"])
+    ap.add_argument("--schedule", default="rounds", choices=["rounds", "continuous"],
+                    help="turns in batches that wait for their last reply, or each turn "
+                         "sent once its conversation's reply is back (`replay`)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
@@ -181,8 +230,9 @@ def main(argv: list[str] | None = None) -> None:
             llm.engine.kv_tier.offloader.compile_moves(running)
         # compiles the shapes (the whole workload: its steps' shapes depend on its hits),
         # then a cold cache
+        explicit = args.prefix_mode == "explicit"
         replay(llm, convs if args.warmup == "full" else convs[: min(4, len(convs))],
-               args.output_len, args.concurrency, args.prefix_mode == "explicit")
+               args.output_len, args.concurrency, explicit, args.schedule)
         llm.engine.prefix_pool.num_queried_tokens = llm.engine.prefix_pool.num_hit_tokens = 0
         llm.engine.prefix_pool.num_host_hit_tokens = 0
         if llm.engine.kv_tier is not None:
@@ -190,13 +240,14 @@ def main(argv: list[str] | None = None) -> None:
         if not llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused after the warm-up")
         row = {"mode": mode, "num_kv_blocks": llm.engine.runner.num_blocks} | replay(
-            llm, convs, args.output_len, args.concurrency, args.prefix_mode == "explicit")
+            llm, convs, args.output_len, args.concurrency, explicit, args.schedule)
         rows.append(row)
         print(row, flush=True)
+        llm.shutdown()  # (the continuous schedule's stepping thread)
         del llm
     pool = pool or rows[0]["num_kv_blocks"]
     print(f"live history tokens {live}, HBM pool {pool} blocks x {B} = {pool * B} tokens "
-          f"({live / (pool * B):.1f}x), {args.prefix_mode} prefix mode")
+          f"({live / (pool * B):.1f}x), {args.prefix_mode} prefix mode, {args.schedule} turns")
     keys = ["mode", "hit_rate", "host_hit_tokens", "prefill_tokens_computed", "output_tok_s",
             "ttft_p50_ms", "ttft_p99_ms", "wall_s"]
     print(" | ".join(keys))

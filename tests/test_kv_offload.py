@@ -4,6 +4,7 @@ under heavy eviction and preemption; blocks saved and brought back bitwise equal
 host pool within its bound; the saved cache's round trip and its refusals."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -340,6 +341,19 @@ def test_benchmark_scripts_run_on_the_tiny_model(tmp_path):
     assert rows[2]["host_hit_tokens"] == rows[1]["host_hit_tokens"]
     assert (rows[1]["prefill_tokens_computed"] == rows[2]["prefill_tokens_computed"]
             == rows[0]["prefill_tokens_computed"] - rows[1]["host_hit_tokens"])
+    # the continuous schedule (each next turn sent once its reply is back, through the
+    # async driver) replays the same turns: the same prompts, the tier bringing back
+    # what the pool lost, and its stepping thread gone after each mode
+    bench_multiturn.main(tiny + ["--num-conversations", "8", "--turns", "2", "--user-len",
+                                 "24", "--output-len", "2", "--concurrency", "2",
+                                 "--max-num-seqs", "2", "--modes", "off,on",
+                                 "--kv-offloading-size", "0.01", "--oversubscription", "4",
+                                 "--schedule", "continuous", "--json", str(tmp_path / "c.json")])
+    cont = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["prompt_tokens"] for r in cont] == [rows[0]["prompt_tokens"]] * 2
+    assert cont[0]["host_hit_tokens"] == 0 < cont[1]["host_hit_tokens"]
+    assert cont[1]["prefill_tokens_computed"] < cont[0]["prefill_tokens_computed"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("jprefix-engine")]
     for bad in ("on:x", "off:8", "of"):
         with pytest.raises(ValueError, match=f"mode '{bad}'"):
             bench_multiturn.main(tiny + ["--modes", f"on,{bad}"])
