@@ -29,18 +29,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
 from jprefix.worker.offload import OffloadStats  # noqa: E402
+from scripts import profile_engine  # noqa: E402
+from scripts.device_trace import load_trace, perfetto_file  # noqa: E402
 
 
 def synthetic_conversations(n: int, turns: int, user_len: int, vocab: int, seed: int
@@ -148,6 +155,50 @@ async def _continuous(llm: LLM, convs: list[list[list[int]]], sp: SamplingParams
     await asyncio.gather(*(conversation(i) for i in range(len(convs))))
 
 
+def cold(llm: LLM) -> None:
+    """Empties both tiers of the prefix cache and zeroes the figures they report."""
+    pool = llm.engine.prefix_pool
+    pool.num_queried_tokens = pool.num_hit_tokens = pool.num_host_hit_tokens = 0
+    if llm.engine.kv_tier is not None:
+        llm.engine.kv_tier.offloader.stats = OffloadStats()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("reset_prefix_cache refused between replays")
+
+
+def traced(llm: LLM, run: Any, keep_dir: str | None, tag: str) -> dict[str, Any]:
+    """`run()` under `jax.profiler`, every engine step marked, summarised as
+    profile_engine summarises its windows (device busy and idle time per step, the top
+    kernels, the host-device copies' time by direction); its per-step lists as their
+    median and max. keep_dir: where the Perfetto trace is kept."""
+    engine, trace_dir = llm.engine, tempfile.mkdtemp(prefix="jprefix-trace-")
+    step = engine.step
+
+    def marked(*a: Any, **k: Any) -> Any:
+        with jax.profiler.TraceAnnotation(profile_engine.STEP_MARK):
+            return step(*a, **k)
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    engine.step = marked
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+    try:
+        run()
+        jax.block_until_ready(engine.runner.kv_cache)
+    finally:
+        jax.profiler.stop_trace()
+        del engine.step  # (the class's again)
+    summary = profile_engine.summarize(load_trace(trace_dir), profile_engine.TOP_KERNELS)
+    if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
+        shutil.copy(perfetto_file(trace_dir), os.path.join(keep_dir, f"{tag}.perfetto.json.gz"))
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    for key in ("engine_step_call_ms", "jit_dispatch_ms"):
+        ms = summary.pop(key, None) or [0.0]
+        summary[key.replace("_ms", "_p50_max_ms")] = [round(float(np.median(ms)), 3),
+                                                       round(max(ms), 3)]
+    return summary
+
+
 def parse_mode(mode: str, step_tokens: int) -> tuple[str, int]:
     """(tier, step-load bound) of a mode: off, on, on:N or unbounded (ValueError else)."""
     tier, _, bound = mode.partition(":")
@@ -190,8 +241,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", default="full", choices=["full", "short"],
                     help="warm-up replay: the whole workload (every step shape it compiles) "
                          "or its first 4 conversations")
+    ap.add_argument("--trace", default=None, metavar="MODE",
+                    help="replay MODE once more under jax.profiler: row['trace'] says where "
+                         "its steps' time went")
+    ap.add_argument("--trace-dir", default=None, help="keep --trace's Perfetto file here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.trace is not None and args.trace not in args.modes.split(","):
+        raise ValueError(f"--trace {args.trace!r} is not one of --modes {args.modes!r}")
 
     modes = [(m, *parse_mode(m, args.kv_offloading_step_tokens)) for m in args.modes.split(",")]
     model = load(args.model, dtype=args.dtype, load_format=args.load_format)
@@ -233,14 +290,14 @@ def main(argv: list[str] | None = None) -> None:
         explicit = args.prefix_mode == "explicit"
         replay(llm, convs if args.warmup == "full" else convs[: min(4, len(convs))],
                args.output_len, args.concurrency, explicit, args.schedule)
-        llm.engine.prefix_pool.num_queried_tokens = llm.engine.prefix_pool.num_hit_tokens = 0
-        llm.engine.prefix_pool.num_host_hit_tokens = 0
-        if llm.engine.kv_tier is not None:
-            llm.engine.kv_tier.offloader.stats = OffloadStats()
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("reset_prefix_cache refused after the warm-up")
+        cold(llm)
         row = {"mode": mode, "num_kv_blocks": llm.engine.runner.num_blocks} | replay(
             llm, convs, args.output_len, args.concurrency, explicit, args.schedule)
+        if mode == args.trace:  # the same replay again, from a cold cache, traced
+            cold(llm)
+            row["trace"] = traced(llm, partial(replay, llm, convs, args.output_len,
+                                               args.concurrency, explicit, args.schedule),
+                                  args.trace_dir, mode)
         rows.append(row)
         print(row, flush=True)
         llm.shutdown()  # (the continuous schedule's stepping thread)

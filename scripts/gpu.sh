@@ -59,7 +59,8 @@
 #             carry ["bench_data"] with its conversations file: the job says)
 #             (both: STEP_TOKENS=N adds a mode on:N, the tier on with at most N
 #             tokens brought back per step; SCHEDULE=continuous sends each turn once its
-#             conversation's reply is back instead of in batches)
+#             conversation's reply is back instead of in batches; TRACE=on replays
+#             mode "on" once more under the profiler: device time, copies by direction)
 #   mgpu_prefill  the Mosaic GPU prefill attention: a one-case smoke test, then (if it
 #             passed) its tests                                               ~5 min
 #   mgpu_bench    bench_mgpu_prefill.py --alibi against Triton and cuDNN         ~9 min
@@ -286,7 +287,7 @@ job_multiturn() {  # (RESULTS.md's full run is 256 conversations x 6 turns at co
     --output-len 64 --concurrency 32 --max-num-seqs 32 --oversubscription 4 \
     --kv-offloading-size 24 \
     --modes "off,on${STEP_TOKENS:+,on:$STEP_TOKENS},unbounded" --schedule "${SCHEDULE:-rounds}" \
-    --json "$OUT/multiturn.json"
+    ${TRACE:+--trace "$TRACE" --trace-dir "$OUT/traces"} --json "$OUT/multiturn.json"
 }
 job_multiturn_sharegpt() {  # the same on ShareGPT's conversations (user turns of a median
   # 17 tokens: the histories are mostly replies); needs carry ["bench_data"] holding
@@ -298,7 +299,7 @@ job_multiturn_sharegpt() {  # the same on ShareGPT's conversations (user turns o
     --turns 4 --output-len 128 --concurrency 32 --max-num-seqs 32 --oversubscription 4 \
     --kv-offloading-size 24 \
     --modes "off,on${STEP_TOKENS:+,on:$STEP_TOKENS},unbounded" --schedule "${SCHEDULE:-rounds}" \
-    --json "$OUT/multiturn_sharegpt.json"
+    ${TRACE:+--trace "$TRACE" --trace-dir "$OUT/traces"} --json "$OUT/multiturn_sharegpt.json"
 }
 job_mgpu_prefill() {  # a barrier mistake hangs rather than fails: the smoke test goes first
   run mgpu_smoke 150 python3 -m pytest -x -q \

@@ -69,6 +69,10 @@ def summarize(events: list[dict], top: int = 15) -> dict:
     for e in spans:
         if e["pid"] not in devices and lo <= e["ts"] <= hi:
             api[re.sub(r"([._]\d+)+(_remat\d*)?$", "", e["name"])[:80]].append(e["dur"])
+    copies: dict[str, float] = collections.defaultdict(float)
+    for e in kernels:
+        if way := copy_direction(e["name"]):
+            copies[way] += e["dur"]
     n = len(steps)
     return dict(
         steps=n,
@@ -77,6 +81,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         device_busy_per_step_ms=busy / 1e3 / n,
         device_idle_share=1 - busy / (hi - lo),
         kernels_per_step=len(kernels) / n,
+        copy_ms_per_step={k: v / 1e3 / n for k, v in sorted(copies.items())},
         engine_step_call_ms=[round((b - a) / 1e3, 3) for a, b in steps],
         jit_dispatch_ms=[round(d / 1e3, 3) for d in host_dispatch],
         top_kernels=[dict(name=k[:120], calls_per_step=len(v) / n,
@@ -84,6 +89,19 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         host_events=[dict(name=k, calls_per_step=len(v) / n, ms_per_step=sum(v) / 1e3 / n)
                      for k, v in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:25]],
     )
+
+
+def copy_direction(name: str) -> str | None:
+    """"h2d", "d2h" or "d2d" for a device trace's memory copy event (CUPTI's
+    MemcpyH2D, "Memcpy HtoD (Pinned -> Device)", ...), None for anything else."""
+    n = name.lower().replace(" ", "")
+    if "memcpy" not in n:
+        return None
+    for way, marks in (("h2d", ("h2d", "htod")), ("d2h", ("d2h", "dtoh")),
+                       ("d2d", ("d2d", "dtod"))):
+        if any(m in n for m in marks):
+            return way
+    return None
 
 
 TOP_KERNELS = 15  # kernels listed per traced config (--top-kernels)

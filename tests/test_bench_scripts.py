@@ -201,6 +201,15 @@ def test_profile_engine_smoke(tmp_path):
             assert config[part]["steps"] == 1 and config[part]["per_step_ms"] > 0
 
 
+def test_trace_copies_are_told_by_direction():
+    from scripts.profile_engine import copy_direction
+
+    assert [copy_direction(n) for n in (
+        "MemcpyH2D", "Memcpy HtoD (Pinned -> Device)", "MemcpyD2H", "Memcpy DtoH",
+        "MemcpyD2D", "fusion.12", "copy-start.3", "dynamic-update-slice")] == [
+        "h2d", "h2d", "d2h", "d2h", "d2d", None, None, None]
+
+
 def test_bench_cascade_smoke():
     # interpret mode: checks the plain and cascade kernels against the reference and
     # that the timing path (device time where a GPU reports kernels) runs end to end

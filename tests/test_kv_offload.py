@@ -348,8 +348,15 @@ def test_benchmark_scripts_run_on_the_tiny_model(tmp_path):
                                  "24", "--output-len", "2", "--concurrency", "2",
                                  "--max-num-seqs", "2", "--modes", "off,on",
                                  "--kv-offloading-size", "0.01", "--oversubscription", "4",
-                                 "--schedule", "continuous", "--json", str(tmp_path / "c.json")])
+                                 "--schedule", "continuous", "--trace", "on",
+                                 "--json", str(tmp_path / "c.json")])
     cont = json.loads((tmp_path / "c.json").read_text())["rows"]
+    # ... and replays "on" once more under the profiler: its steps and where they went
+    trace = cont[1]["trace"]
+    assert "trace" not in cont[0] and trace["steps"] > 0 and trace["per_step_ms"] > 0
+    assert set(trace) >= {"copy_ms_per_step", "top_kernels", "engine_step_call_p50_max_ms"}
+    with pytest.raises(ValueError, match="--trace 'unbounded' is not one of"):
+        bench_multiturn.main(tiny + ["--modes", "off,on", "--trace", "unbounded"])
     assert [r["prompt_tokens"] for r in cont] == [rows[0]["prompt_tokens"]] * 2
     assert cont[0]["host_hit_tokens"] == 0 < cont[1]["host_hit_tokens"]
     assert cont[1]["prefill_tokens_computed"] < cont[0]["prefill_tokens_computed"]
