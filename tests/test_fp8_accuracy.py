@@ -12,15 +12,16 @@ fp8 weights are `quantize_linears`' default, the engine's: every linear layer in
 the last layer's MLP, kept in the model dtype (with it in fp8 too: weights 89.6% top-1,
 +3.8% perplexity; both 88.3%, +4.2%, on 1,024 tokens).
 
-Measured (docs/PERF.md's figures): fp8 e4m3 KV 95.3% top-1, +0.61% perplexity; e5m2 KV
-89.4%, +3.2%; fp8 weights 90.3%, +1.9%; both 89.0%, +2.2%. Issue 17's bounds are fp8 KV
->= 98% top-1 and <= +1% perplexity, both <= +3%: the perplexity bounds are met, the KV
-cache's top-1 is not on this 135M model (`test_issue_kv_top1_bound_not_met_on_smollm2`,
-strict xfail). Why 2,048 tokens: over 1,024 the figures moved by up to 0.6 points of
-perplexity between XLA builds and machines (both +2.8% on one, +3.35% on another: across
-the +3% bound), a spread of rounding flips that the longer text averages down. The floors
-below are the measured figures with a margin of about that spread, so a regression fails
-and a rebuilt XLA does not.
+Measured (docs/PERF.md's figures, jaxlib 0.10.2): fp8 e4m3 KV 95.3% top-1, +0.61%
+perplexity; e5m2 KV 89.4%, +3.2%; fp8 weights 90.3%, +1.9%; both 89.0%, +2.2% (jaxlib
+0.10.1: 95.4% / +0.61%, 90.1% / +3.0%, 91.0% / +1.6%, 89.0% / +2.7%). Issue 17's bounds
+are fp8 KV >= 98% top-1 and <= +1% perplexity, both <= +3%: the perplexity bounds are
+met, the KV cache's top-1 is not on this 135M model
+(`test_issue_kv_top1_bound_not_met_on_smollm2`, strict xfail). Why 2,048 tokens: the
+figures move with the XLA build and the machine (rounding flips); over 1,024 tokens
+"both" measured +2.8% on one machine and +3.35% on another with the same packages, across
+the +3% bound. The floors below are the worse of the measured figures with a margin, so a
+regression fails and a rebuilt XLA does not.
 """
 
 import functools
@@ -100,7 +101,7 @@ def results(smollm2):
 
 # (top-1 floor, perplexity-change ceiling): measured figures with a margin (docstring)
 FLOORS = {"kv_e4m3": (0.945, 0.0095), "kv_e5m2": (0.885, 0.037), "weights": (0.895, 0.025),
-          "both": (0.88, 0.028)}
+          "both": (0.88, 0.03)}
 
 
 @pytest.mark.parametrize("mode", sorted(FLOORS))
