@@ -30,10 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -49,7 +46,6 @@ from jprefix import LLM, SamplingParams, load  # noqa: E402
 from jprefix.entrypoints.cli_progress import CompileWatch  # noqa: E402
 from jprefix.worker.offload import OffloadStats  # noqa: E402
 from scripts import profile_engine  # noqa: E402
-from scripts.device_trace import load_trace, perfetto_file  # noqa: E402
 
 
 def synthetic_conversations(n: int, turns: int, user_len: int, vocab: int, seed: int
@@ -172,32 +168,20 @@ def cold(llm: LLM) -> None:
 
 
 def traced(llm: LLM, run: Any, keep_dir: str | None, tag: str) -> dict[str, Any]:
-    """`run()` under `jax.profiler`, every engine step marked, summarised as
-    profile_engine summarises its windows (device busy and idle time per step, the top
-    kernels, the host-device copies' time by direction); its per-step lists as their
-    median and max. keep_dir: where the Perfetto trace is kept."""
-    engine, trace_dir = llm.engine, tempfile.mkdtemp(prefix="jprefix-trace-")
-    step = engine.step
+    """`run()` traced as `profile_engine.traced` traces it, every engine step marked (device
+    busy and idle time per step, the top kernels, the host-device copies' time by
+    direction); its per-step lists as their median and max."""
+    engine, step = llm.engine, llm.engine.step
 
     def marked(*a: Any, **k: Any) -> Any:
         with jax.profiler.TraceAnnotation(profile_engine.STEP_MARK):
             return step(*a, **k)
 
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
     engine.step = marked
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
     try:
-        run()
-        jax.block_until_ready(engine.runner.kv_cache)
+        summary = profile_engine.traced(llm, run, keep_dir, tag)
     finally:
-        jax.profiler.stop_trace()
         del engine.step  # (the class's again)
-    summary = profile_engine.summarize(load_trace(trace_dir), profile_engine.TOP_KERNELS)
-    if keep_dir:
-        os.makedirs(keep_dir, exist_ok=True)
-        shutil.copy(perfetto_file(trace_dir), os.path.join(keep_dir, f"{tag}.perfetto.json.gz"))
-    shutil.rmtree(trace_dir, ignore_errors=True)
     for key in ("engine_step_call_ms", "jit_dispatch_ms"):
         ms = summary.pop(key, None) or [0.0]
         summary[key.replace("_ms", "_p50_max_ms")] = [round(float(np.median(ms)), 3),

@@ -25,6 +25,7 @@ import re
 import shutil
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -108,17 +109,30 @@ TOP_KERNELS = 15  # kernels listed per traced config (--top-kernels)
 
 
 def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> dict:
+    def steps() -> None:
+        for _ in range(num_steps):
+            with jax.profiler.TraceAnnotation(STEP_MARK):
+                llm.engine.step()
+
+    return traced(llm, steps, keep_dir, tag)
+
+
+def traced(llm: LLM, run: Any, keep_dir: str | None, tag: str) -> dict:
+    """`run()` under `jax.profiler` until the device is done, summarised (`summarize`:
+    its engine steps are the STEP_MARK annotations it makes); keep_dir: where the
+    Perfetto file is kept, as TAG.perfetto.json.gz."""
     trace_dir = tempfile.mkdtemp(prefix="jprefix-trace-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # XLA's and the annotated host events, not every call
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
-    for _ in range(num_steps):
-        with jax.profiler.TraceAnnotation(STEP_MARK):
-            llm.engine.step()
-    jax.block_until_ready(llm.engine.runner.kv_cache)
-    jax.profiler.stop_trace()
+    try:
+        run()
+        jax.block_until_ready(llm.engine.runner.kv_cache)
+    finally:
+        jax.profiler.stop_trace()
     summary = summarize(load_trace(trace_dir), TOP_KERNELS)
     if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
         shutil.copy(perfetto_file(trace_dir), os.path.join(keep_dir, f"{tag}.perfetto.json.gz"))
     shutil.rmtree(trace_dir, ignore_errors=True)
     return summary
