@@ -211,6 +211,9 @@ def test_in_stream_loads_copy_rows_from_the_pinned_chunks_bitwise(max_rows, monk
     off = KVOffloader(runner, 16)
     assert off.in_stream and off.host[0].per_chunk == 3
     off.compile_moves(16)
+    copied, fn = [], off._in_stream._fn
+    off._in_stream._fn = lambda cache, chunks, idx, blocks: (
+        copied.append(len(idx)), fn(cache, chunks, idx, blocks))[1]
     assert all(np.asarray(c).tobytes() == b.tobytes()
                for c, b in zip(runner.kv_cache, before, strict=True))
     assert off.after_step(off.move([(1 + i, i) for i in range(12)], [])) is None
@@ -224,6 +227,19 @@ def test_in_stream_loads_copy_rows_from_the_pinned_chunks_bitwise(max_rows, monk
                 e[:, :, block] = b[:, :, 1 + slot]
             assert np.asarray(c).tobytes() == e.tobytes()
     assert off.stats.bytes_to_device == 27 * off.block_bytes
+    assert sum(copied) == 27  # (at most 3 rows a chunk: no padding row is copied)
+
+
+def test_in_stream_programs_copy_at_most_an_eighth_more_rows_than_asked():
+    from jprefix.worker.host_loads import program_sizes
+
+    for max_rows in (4, 256):
+        for n in range(1, 3 * max_rows + 2):
+            sizes = program_sizes(n, max_rows)
+            assert all(s & (s - 1) == 0 and s <= max_rows for s in sizes), (n, sizes)
+            assert sizes == sorted(sizes, reverse=True)
+            assert n <= sum(sizes) <= n + n // 8 and sum(sizes) - sizes[-1] < n, (n, sizes)
+    assert program_sizes(37, 256) == [32, 4, 1] and program_sizes(255, 256) == [256]
 
 
 def test_loads_are_staged_where_the_in_stream_check_fails(monkeypatch):

@@ -2,7 +2,8 @@
 both and uses one (`KVOffloader.in_stream`).
 
 In-stream (`InStreamLoads`, where the pool is pinned; the default): a step's loads are
-one program per pool chunk they read, queued on the launch thread before the step, that
+programs per pool chunk they read (`program_sizes`), queued on the launch thread before
+the step, that
 copies each row straight out of the pinned chunk (XLA turns a dynamic-slice of a
 host-memory operand into an asynchronous copy: no host gather, no staging) and scatters
 it into the cache, so the step that follows reads the blocks and their sequences prefill
@@ -87,6 +88,26 @@ def _load_rows(cache: KVCache, chunks: tuple[jax.Array, ...], rows: jax.Array,
     return tuple(out)
 
 
+def program_sizes(n: int, max_rows: int) -> list[int]:
+    """How n rows of one chunk split over in-stream programs: powers of two (the sizes
+    `InStreamLoads.compile` compiles) of at most max_rows (a power of two), largest
+    first. A padding row is a real copy, so the rest is padded up to a power of two only
+    where that copies at most an eighth more rows than it holds (37 rows: 32 + 4 + 1, not
+    64; 255: 256, one row padded), else split further: the bytes moved stay within
+    1/8 of the bytes wanted, in at most log2(max_rows) + 1 programs past the full ones."""
+    sizes = []
+    while n >= max_rows:
+        sizes.append(max_rows)
+        n -= max_rows
+    while n > 0:
+        p = padded(n)
+        if (p - n) * 8 <= n:
+            return sizes + [p]
+        sizes.append(p // 2)
+        n -= p // 2
+    return sizes
+
+
 def in_stream_works(host_sharding: Any, device_sharding: Any) -> bool:
     """Whether a program copies rows out of a pinned array here as `_load_rows` does (a
     construction check, as `pinned_works`; else loads are staged)."""
@@ -111,9 +132,9 @@ class InStreamLoads:
         self._fn = jax.jit(partial(_load_rows, moved=off.device_shardings), donate_argnums=0)
 
     def start(self, loads: list[tuple[int, int]], pending: list[Any]) -> None:
-        """Queues the (slot, block) loads before the step: per pool chunk read (and per
-        IN_STREAM_ROWS rows) one program, padded to a power of two (padding copies the
-        chunk's first row read to a block past the cache's end)."""
+        """Queues the (slot, block) loads before the step: per pool chunk read, programs
+        of `program_sizes` rows (a padded program's padding copies the part's first row
+        to a block past the cache's end)."""
         off = self.off
         per, past = off.host[0].per_chunk, off.runner.kv_cache[0].shape[2]
         groups: dict[int, list[tuple[int, int]]] = {}
@@ -121,10 +142,11 @@ class InStreamLoads:
             groups.setdefault(slot // per, []).append((slot % per, block))
         calls = []
         for c, rows in sorted(groups.items()):
-            for lo in range(0, len(rows), IN_STREAM_ROWS):
-                part = rows[lo:lo + IN_STREAM_ROWS]
-                idx = np.full(padded(len(part)), part[0][0], np.int32)
-                blocks = np.full(len(idx), past, np.int32)
+            lo = 0
+            for size in program_sizes(len(rows), IN_STREAM_ROWS):
+                part, lo = rows[lo:lo + size], lo + size
+                idx = np.full(size, part[0][0], np.int32)
+                blocks = np.full(size, past, np.int32)
                 idx[:len(part)], blocks[:len(part)] = zip(*part, strict=True)
                 calls.append((tuple(h.chunk_array(c) for h in off.host), idx, blocks))
 
