@@ -3,11 +3,10 @@ both and uses one (`KVOffloader.in_stream`).
 
 In-stream (`InStreamLoads`, where the pool is pinned; the default): a step's loads are
 programs per pool chunk they read (`program_sizes`), queued on the launch thread before
-the step, that
-copies each row straight out of the pinned chunk (XLA turns a dynamic-slice of a
-host-memory operand into an asynchronous copy: no host gather, no staging) and scatters
-it into the cache, so the step that follows reads the blocks and their sequences prefill
-in that very step. A load reading a slot whose save is still being written waits for it
+the step, that copy each row straight out of the pinned chunk (XLA turns a dynamic-slice
+of a host-memory operand into an asynchronous copy: no host gather, no staging) and
+scatter it into the cache, so the step that follows reads the blocks and their sequences
+prefill in that very step. A load reading a slot whose save is still being written waits for it
 on the launch thread; a save's write into a slot that a queued load still reads cannot
 overtake it, because the write waits for its own gather, which the device runs after
 every program queued before it.
