@@ -6,10 +6,10 @@ programs per pool chunk they read (`program_sizes`), queued on the launch thread
 the step, that copy each row straight out of the pinned chunk (XLA turns a dynamic-slice
 of a host-memory operand into an asynchronous copy: no host gather, no staging) and
 scatter it into the cache, so the step that follows reads the blocks and their sequences
-prefill in that very step. A load reading a slot whose save is still being written waits for it
-on the launch thread; a save's write into a slot that a queued load still reads cannot
-overtake it, because the write waits for its own gather, which the device runs after
-every program queued before it.
+prefill in that very step. A load reading a slot whose save is still being written waits
+for it on the launch thread; a save's write into a slot that a queued load still reads
+cannot overtake it, because the write waits for its own gather, which the device runs
+after every program queued before it.
 
 Staged (`StagedLoads`: pageable pools, tensor parallelism, or JPREFIX_HOST_LOADS=staged):
 the rows are gathered on a loader thread into pinned staging arrays in up to
