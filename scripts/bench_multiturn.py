@@ -39,7 +39,6 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python scripts/NAME.py`: this checkout first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jprefix import LLM, SamplingParams, load  # noqa: E402
@@ -168,20 +167,10 @@ def cold(llm: LLM) -> None:
 
 
 def traced(llm: LLM, run: Any, keep_dir: str | None, tag: str) -> dict[str, Any]:
-    """`run()` traced as `profile_engine.traced` traces it, every engine step marked (device
-    busy and idle time per step, the top kernels, the host-device copies' time by
-    direction); its per-step lists as their median and max."""
-    engine, step = llm.engine, llm.engine.step
-
-    def marked(*a: Any, **k: Any) -> Any:
-        with jax.profiler.TraceAnnotation(profile_engine.STEP_MARK):
-            return step(*a, **k)
-
-    engine.step = marked
-    try:
-        summary = profile_engine.traced(llm, run, keep_dir, tag)
-    finally:
-        del engine.step  # (the class's again)
+    """`run()` traced by `profile_engine.traced` (device busy and idle time per engine
+    step, the top kernels, the host-device copies' time by direction); its per-step lists
+    as their median and max."""
+    summary = profile_engine.traced(llm, run, keep_dir, tag)
     for key in ("engine_step_call_ms", "jit_dispatch_ms"):
         ms = summary.pop(key, None) or [0.0]
         summary[key.replace("_ms", "_p50_max_ms")] = [round(float(np.median(ms)), 3),

@@ -111,24 +111,31 @@ TOP_KERNELS = 15  # kernels listed per traced config (--top-kernels)
 def traced_steps(llm: LLM, num_steps: int, keep_dir: str | None, tag: str) -> dict:
     def steps() -> None:
         for _ in range(num_steps):
-            with jax.profiler.TraceAnnotation(STEP_MARK):
-                llm.engine.step()
+            llm.engine.step()
 
     return traced(llm, steps, keep_dir, tag)
 
 
 def traced(llm: LLM, run: Any, keep_dir: str | None, tag: str) -> dict:
-    """`run()` under `jax.profiler` until the device is done, summarised (`summarize`:
-    its engine steps are the STEP_MARK annotations it makes); keep_dir: where the
+    """`run()` under `jax.profiler` until the device is done, every engine step it makes
+    (on any thread) marked STEP_MARK, summarised (`summarize`); keep_dir: where the
     Perfetto file is kept, as TAG.perfetto.json.gz."""
+    engine, step = llm.engine, llm.engine.step
+
+    def marked(*a: Any, **k: Any) -> Any:
+        with jax.profiler.TraceAnnotation(STEP_MARK):
+            return step(*a, **k)
+
     trace_dir = tempfile.mkdtemp(prefix="jprefix-trace-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # XLA's and the annotated host events, not every call
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+    engine.step = marked
     try:
         run()
-        jax.block_until_ready(llm.engine.runner.kv_cache)
+        jax.block_until_ready(engine.runner.kv_cache)
     finally:
+        del engine.step  # (the class's again)
         jax.profiler.stop_trace()
     summary = summarize(load_trace(trace_dir), TOP_KERNELS)
     if keep_dir:
