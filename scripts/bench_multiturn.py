@@ -158,8 +158,7 @@ async def _continuous(llm: LLM, convs: list[list[list[int]]], sp: SamplingParams
 
 def cold(llm: LLM) -> None:
     """Empties both tiers of the prefix cache and zeroes the figures they report."""
-    pool = llm.engine.prefix_pool
-    pool.num_queried_tokens = pool.num_hit_tokens = pool.num_host_hit_tokens = 0
+    llm.engine.prefix_pool.reset_counters()
     if llm.engine.kv_tier is not None:
         llm.engine.kv_tier.offloader.stats = OffloadStats()
     if not llm.reset_prefix_cache():

@@ -68,8 +68,7 @@ def run_mode(model, args, prompts: list[list[int]], hybrid: bool) -> dict:
     drive(engine, prompts, sp, "w")  # warm-up: the document cached, every shape compiled
     print(f"  {'hybrid' if hybrid else 'one_table'}: warm-up (the document, every step "
           f"shape compiled) took {time.perf_counter() - t0:.0f} s", flush=True)
-    engine.scheduler.prefix_pool.num_queried_tokens = 0
-    engine.scheduler.prefix_pool.num_hit_tokens = 0
+    engine.scheduler.prefix_pool.reset_counters()
     preempted = engine.stats.num_preemptions
     row = drive(engine, prompts, sp, "r")
     row.update(mode="hybrid" if hybrid else "one_table", num_blocks=num_blocks,

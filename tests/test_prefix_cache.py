@@ -203,3 +203,11 @@ def test_stats_count_queried_and_hit_tokens():
     pool.record_query(20, 16)
     stats = pool.stats()
     assert (stats.num_queried_tokens, stats.num_hit_tokens, stats.hit_rate) == (40, 16, 0.4)
+    seq = compute(pool, DEPT1)
+    pool.num_host_hit_tokens = 8
+    pool.reset_counters()  # (after a warm-up: the counters restart, the cache stays)
+    stats = pool.stats()
+    assert (stats.num_queried_tokens, stats.num_hit_tokens, stats.num_host_hit_tokens) == (
+        0, 0, 0) and len(pool.trie) == 4
+    release(pool, seq)
+    check(pool)

@@ -203,6 +203,11 @@ class PrefixPool(HostTierMixin):
             self.events.all_cleared()
         return True
 
+    def reset_counters(self) -> None:
+        """Zeroes the query, hit and host-hit token counters (`stats`), e.g. after a
+        warm-up; the cache itself is untouched."""
+        self.num_queried_tokens = self.num_hit_tokens = self.num_host_hit_tokens = 0
+
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
             self.num_queried_tokens,
